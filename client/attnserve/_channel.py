@@ -1,0 +1,40 @@
+"""Channel settings shared by both clients: message limits and a retry service config."""
+
+from __future__ import annotations
+
+import json
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Matches the server's default, so real tensors (and attention matrices) fit.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.05s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, object]]:
+    """gRPC channel options: message limits and, when enabled, UNAVAILABLE retried by gRPC itself."""
+    options: list[tuple[str, object]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1 if retries else 0),
+    ]
+    if retries:
+        config = {
+            "methodConfig": [
+                {
+                    "name": [
+                        {"service": "attnserve.v1.AttentionService"},
+                        {"service": "grpc.health.v1.Health"},
+                    ],
+                    "retryPolicy": _RETRY_POLICY,
+                }
+            ]
+        }
+        options.append(("grpc.service_config", json.dumps(config)))
+    return options

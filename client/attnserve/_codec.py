@@ -1,0 +1,158 @@
+"""The request/response codec shared by the sync and asyncio clients: numpy <-> protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attnserve._errors import AttnServeError, status_code_from_number
+from attnserve._types import AttendResult, ModelInfo, Request, Timing
+from attnserve.v1 import attention_pb2 as pb
+
+# numpy dtype name -> wire dtype. "bfloat16" is ml_dtypes' name, if the caller uses it.
+_WIRE_DTYPE = {
+    "float32": pb.DATA_TYPE_FP32,
+    "float16": pb.DATA_TYPE_FP16,
+    "bfloat16": pb.DATA_TYPE_BF16,
+    "bool": pb.DATA_TYPE_BOOL,
+    "int32": pb.DATA_TYPE_INT32,
+    "int64": pb.DATA_TYPE_INT64,
+}
+# wire dtype -> numpy dtype of the raw elements (BF16 travels as its 16 bits).
+_RAW_NUMPY = {
+    pb.DATA_TYPE_FP32: np.dtype("<f4"),
+    pb.DATA_TYPE_FP16: np.dtype("<f2"),
+    pb.DATA_TYPE_BF16: np.dtype("<u2"),
+    pb.DATA_TYPE_BOOL: np.dtype("?"),
+    pb.DATA_TYPE_INT32: np.dtype("<i4"),
+    pb.DATA_TYPE_INT64: np.dtype("<i8"),
+}
+_CAST_TARGETS = ("float32", "float16", "bfloat16")
+
+
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Rounds float32 to bfloat16 (nearest, ties to even) and returns the 16-bit patterns."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    return np.where(np.isnan(values), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode_tensor(array: Any, name: str, cast: str | None = None) -> pb.Tensor:
+    """numpy array (or nested lists) -> Tensor; `cast` converts float arrays first."""
+    arr = np.asarray(array)
+    kind = arr.dtype.name
+    if cast is not None and arr.dtype.kind == "f":
+        if cast not in _CAST_TARGETS:
+            raise ValueError(f"dtype must be one of {_CAST_TARGETS}, got {cast!r}")
+        if cast == "bfloat16":
+            bits = arr.view(np.uint16) if kind == "bfloat16" else float32_to_bfloat16_bits(arr)
+            return pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=arr.shape, data=bits.tobytes())
+        if kind != cast:
+            src = bfloat16_bits_to_float32(arr.view(np.uint16)) if kind == "bfloat16" else arr
+            arr = src.astype(cast)
+            kind = cast
+    if kind not in _WIRE_DTYPE:
+        raise ValueError(f"{name}: unsupported dtype {arr.dtype}; use one of {sorted(_WIRE_DTYPE)}")
+    wire = _WIRE_DTYPE[kind]
+    raw = arr.view(np.uint16) if kind == "bfloat16" else arr.astype(_RAW_NUMPY[wire], copy=False)
+    return pb.Tensor(dtype=wire, shape=arr.shape, data=np.ascontiguousarray(raw).tobytes())
+
+
+def decode_tensor(tensor: pb.Tensor, name: str = "tensor") -> np.ndarray:
+    """Tensor -> numpy array (a read-only view of the message bytes; BF16 widened to float32)."""
+    raw_dtype = _RAW_NUMPY.get(tensor.dtype)
+    if raw_dtype is None:
+        raise ValueError(f"{name}: unknown dtype {tensor.dtype}")
+    shape = tuple(tensor.shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * raw_dtype.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(f"{name}: expected {expected} bytes for shape {list(shape)}, got {len(tensor.data)}")
+    arr = np.frombuffer(tensor.data, dtype=raw_dtype).reshape(shape)
+    if tensor.dtype == pb.DATA_TYPE_BF16:
+        return bfloat16_bits_to_float32(arr)
+    return arr
+
+
+def as_request(spec: Request | Mapping[str, Any]) -> Request:
+    return spec if isinstance(spec, Request) else Request(**spec)
+
+
+def encode_request(req: Request) -> pb.AttendRequest:
+    msg = pb.AttendRequest(
+        model=req.model,
+        request_id=req.request_id,
+        query=encode_tensor(req.query, "query", req.dtype),
+        causal=req.causal,
+        need_weights=req.need_weights,
+        # The server rejects average_weights without need_weights; torch's default is
+        # True, so the client only sends it when weights are asked for.
+        average_weights=req.need_weights and req.average_weights,
+    )
+    for field_name in ("key_value", "key", "value"):
+        value = getattr(req, field_name)
+        if value is not None:
+            getattr(msg, field_name).CopyFrom(encode_tensor(value, field_name, req.dtype))
+    if req.key_padding_mask is not None:
+        msg.key_padding_mask.CopyFrom(encode_tensor(np.asarray(req.key_padding_mask, dtype=bool), "key_padding_mask"))
+    if req.key_lengths is not None:
+        msg.key_lengths.CopyFrom(encode_tensor(np.asarray(req.key_lengths, dtype=np.int64), "key_lengths"))
+    return msg
+
+
+def _timing(msg: pb.Timing) -> Timing:
+    return Timing(
+        queue_s=msg.queue_ns * 1e-9,
+        compute_s=msg.compute_ns * 1e-9,
+        server_s=msg.server_ns * 1e-9,
+        batch_size=msg.batch_size,
+        batch_sequences=msg.batch_sequences,
+    )
+
+
+def decode_response(msg: pb.AttendResponse) -> AttendResult:
+    if msg.HasField("error") and msg.error.code != 0:
+        error = AttnServeError(status_code_from_number(msg.error.code), msg.error.message, msg.request_id)
+        return AttendResult(output=None, request_id=msg.request_id, model=msg.model, error=error)
+    weights = decode_tensor(msg.attention_weights, "attention_weights") if msg.HasField("attention_weights") else None
+    return AttendResult(
+        output=decode_tensor(msg.output, "output"),
+        attention_weights=weights,
+        request_id=msg.request_id,
+        model=msg.model,
+        timing=_timing(msg.timing),
+    )
+
+
+_DTYPE_NAME = {
+    pb.DATA_TYPE_FP32: "float32",
+    pb.DATA_TYPE_FP16: "float16",
+    pb.DATA_TYPE_BF16: "bfloat16",
+}
+
+
+def decode_model(msg: pb.ModelMetadata) -> ModelInfo:
+    return ModelInfo(
+        name=msg.name,
+        kind=pb.ModelKind.Name(msg.kind).removeprefix("MODEL_KIND_").lower(),
+        embed_dim=msg.embed_dim,
+        num_heads=msg.num_heads,
+        kdim=msg.kdim,
+        vdim=msg.vdim,
+        output_dim=msg.output_dim,
+        bias=msg.bias,
+        dtype=_DTYPE_NAME.get(msg.dtype, "unspecified"),
+        devices=tuple(msg.devices),
+        max_batch_size=msg.batching.max_batch_size,
+        max_batch_tokens=msg.batching.max_batch_tokens,
+        max_queue_delay_ms=msg.batching.max_queue_delay_ms,
+        max_queue_size=msg.batching.max_queue_size,
+        max_query_len=msg.max_query_len,
+        max_key_len=msg.max_key_len,
+        ready=msg.ready,
+    )

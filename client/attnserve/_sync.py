@@ -1,0 +1,119 @@
+"""The blocking client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, channel_options
+from attnserve._codec import as_request, decode_model, decode_response, encode_request
+from attnserve._errors import AttnServeError
+from attnserve._types import AttendResult, ModelInfo, Request
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
+
+
+def _stream_ids(requests: Iterable[Request | Mapping[str, Any]]) -> Iterator[pb.AttendRequest]:
+    # Stream answers come back as they complete: every request needs an id to be matched.
+    for index, spec in enumerate(requests):
+        msg = encode_request(as_request(spec))
+        if not msg.request_id:
+            msg.request_id = str(index)
+        yield msg
+
+
+class Client:
+    """Blocking client: numpy in, numpy out. Use as a context manager or call close().
+
+    `timeout_s` is the default deadline per call (None: no deadline); `wait_for_ready`
+    makes calls wait for the server instead of failing fast while it is unreachable;
+    `retries` lets gRPC retry UNAVAILABLE with backoff (a service config, not a loop here).
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout_s: float | None = None,
+        wait_for_ready: bool = False,
+        retries: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        options = channel_options(max_message_bytes, retries)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options)
+            if credentials is not None
+            else grpc.insecure_channel(target, options)
+        )
+        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._timeout_s = timeout_s
+        self._wait_for_ready = wait_for_ready
+
+    def _call_args(self, timeout_s: float | None) -> dict[str, Any]:
+        return {
+            "timeout": self._timeout_s if timeout_s is None else timeout_s,
+            "wait_for_ready": self._wait_for_ready,
+        }
+
+    def attend(
+        self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any
+    ) -> AttendResult:
+        """Runs one attention request; keyword fields are those of `attnserve.Request`."""
+        msg = encode_request(Request(query=query, key_value=key_value, **fields))
+        try:
+            return decode_response(self._stub.Attend(msg, **self._call_args(timeout_s)))
+        except grpc.RpcError as error:
+            raise AttnServeError.from_rpc_error(error) from None
+
+    def attend_stream(
+        self, requests: Iterable[Request | Mapping[str, Any]], *, timeout_s: float | None = None
+    ) -> Iterator[AttendResult]:
+        """Sends requests over one bidirectional stream; yields results as they complete.
+
+        A request that fails yields a result with `error` set; the stream goes on.
+        Requests without a request_id get their index in `requests` as id.
+        """
+        call = self._stub.AttendStream(_stream_ids(requests), **self._call_args(timeout_s))
+        try:
+            for msg in call:
+                yield decode_response(msg)
+        except grpc.RpcError as error:
+            raise AttnServeError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        try:
+            reply = self._stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
+        except grpc.RpcError as error:
+            raise AttnServeError.from_rpc_error(error) from None
+        return [decode_model(m) for m in reply.models]
+
+    def model(self, name: str = "", *, timeout_s: float | None = None) -> ModelInfo:
+        try:
+            reply = self._stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
+        except grpc.RpcError as error:
+            raise AttnServeError.from_rpc_error(error) from None
+        return decode_model(reply)
+
+    def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 status of the server ("") or of one model (its name): e.g. "SERVING"."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s))
+        except grpc.RpcError as error:
+            raise AttnServeError.from_rpc_error(error) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
