@@ -1,0 +1,111 @@
+"""The composition root: settings -> metrics, models, gRPC server, health, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import grpc.aio
+import torch
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.edge.servicer import AttentionServicer
+from attnserve_server.metrics import Metrics
+from attnserve_server.model import ServedModel, WorkerFactory
+from attnserve_server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class AttnServer:
+    """One attnserve process. `await start()` returns once every model is warm and serving.
+
+    Health: "" (the server), the service name, and each model's name. They report
+    NOT_SERVING while models load and from the moment shutdown begins.
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        registry: CollectorRegistry | None = None,
+        worker_factory: WorkerFactory = DeviceWorker,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.models = {m.name: ServedModel(m, self.metrics.for_model(m.name), worker_factory) for m in settings.models}
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", s.max_message_bytes),
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+            ]
+        )
+        pb_grpc.add_AttentionServiceServicer_to_server(
+            AttentionServicer(self.models, self.metrics.for_model("")), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        for name in ("", SERVICE_NAME, *self.models):
+            await self._health.set(name, _NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {s.host}:{s.port}")
+        await self._server.start()
+        if s.metrics_port >= 0:
+            self._metrics_http, _ = self.metrics.serve_http(s.host, s.metrics_port)
+            self.metrics_port = self._metrics_http.server_port
+        # Health answers (NOT_SERVING) while the models load and warm up.
+        for served in self.models.values():
+            await served.load()
+            await self._health.set(served.spec.name, _SERVING)
+        self.metrics.watch_cuda_memory(sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}))
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, _SERVING)
+        log.info("attnserve serving %s on port %d", ", ".join(self.models), self.port)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, refuse new calls, finish accepted requests within grace_s."""
+        if self._stopped.is_set():
+            return
+        grace = self.settings.grace_s if grace_s is None else grace_s
+        await self._health.enter_graceful_shutdown()
+        drains = [served.drain(grace) for served in self.models.values()]
+        if self._server is not None:
+            # The server refuses new RPCs at once and cancels what is left after `grace`.
+            drains.append(self._server.stop(grace))
+        results = await asyncio.gather(*drains, return_exceptions=True)
+        for result in results:
+            if result is False:
+                log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)
+            elif isinstance(result, BaseException):
+                log.error("error during shutdown: %r", result)
+        for served in self.models.values():
+            await asyncio.to_thread(served.close)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,294 @@
+"""Admission and dynamic batching: a bounded queue per model that forms batches for its runners.
+
+Knows neither protobuf nor devices. A batch is formed when a runner is free: it starts
+with the oldest waiting request, takes the requests behind it that run the same
+computation (same group), and closes when it reaches max_batch_size sequences or
+max_batch_tokens padded tokens, or max_queue_delay after its first request arrived.
+While every runner is busy, requests simply queue, so batches grow with load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
+
+T = TypeVar("T")
+R = TypeVar("R")
+Runner = Callable[[list[T]], Awaitable[list[R]]]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int  # sequences
+    max_batch_tokens: int  # sequences x longest query length
+    max_queue_delay_s: float
+    max_queue_size: int  # requests waiting
+
+
+class BatchObserver(Protocol):
+    """What the batcher reports (metrics implement it)."""
+
+    def queue_depth(self, depth: int) -> None: ...
+
+    def dropped(self, reason: str) -> None: ...
+
+    def batch_started(self, requests: int, queue_waits_s: list[float]) -> None: ...
+
+
+class _NoObserver:
+    def queue_depth(self, depth: int) -> None:
+        pass
+
+    def dropped(self, reason: str) -> None:
+        pass
+
+    def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Completed(Generic[R]):
+    result: R
+    queue_s: float
+    batch_size: int  # requests in the batch
+    batch_sequences: int
+
+
+@dataclass(eq=False)
+class _Entry(Generic[T]):
+    item: T
+    sequences: int
+    length: int
+    group: Hashable
+    deadline: float | None
+    enqueued: float
+    future: asyncio.Future = field(repr=False)
+    queued: bool = True
+
+
+class Batcher(Generic[T, R]):
+    """Admits items, batches them, runs each batch on a free runner, answers every caller."""
+
+    def __init__(self, runners: Sequence[Runner], limits: BatchLimits, observer: BatchObserver | None = None) -> None:
+        if not runners:
+            raise ValueError("a batcher needs at least one runner")
+        self._runners = list(runners)
+        self._limits = limits
+        self._observer = observer or _NoObserver()
+        self._groups: dict[Hashable, deque[_Entry[T]]] = {}
+        self._depth = 0
+        self._closing = False
+        self._arrived = asyncio.Event()
+        self._idle: asyncio.Queue[Runner] = asyncio.Queue()
+        self._running: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()  # set whenever depth or running batches change
+        self._loop_task: asyncio.Task | None = None
+        self._broken: ServingError | None = None
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def start(self) -> None:
+        for runner in self._runners:
+            self._idle.put_nowait(runner)
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        # A bug that kills the loop must not leave callers waiting forever.
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("the batching loop died", exc_info=task.exception())
+        self._broken = ServingError(f"the model's batcher stopped: {task.exception()!r}")
+        for group in self._groups.values():
+            self._fail(list(group), self._broken)
+        self._groups.clear()
+        self._set_depth(0)
+
+    # -- admission -------------------------------------------------------------------------
+
+    async def submit(
+        self, item: T, *, sequences: int, length: int, group: Hashable, deadline: float | None = None
+    ) -> Completed[R]:
+        """Queues one item and waits for its result. `deadline` is on the loop's clock."""
+        if self._broken is not None:
+            raise self._broken
+        if self._closing:
+            self._observer.dropped("shutting_down")
+            raise ShuttingDown("the server is shutting down and takes no new requests")
+        if self._depth >= self._limits.max_queue_size:
+            self._observer.dropped("queue_full")
+            raise QueueFull(f"the model's queue is full ({self._limits.max_queue_size} requests waiting); retry later")
+        loop = asyncio.get_running_loop()
+        entry = _Entry(item, sequences, length, group, deadline, loop.time(), loop.create_future())
+        self._groups.setdefault(group, deque()).append(entry)
+        self._set_depth(self._depth + 1)
+        self._arrived.set()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            # The caller went away (cancelled, or its deadline passed): drop it before compute.
+            if entry.queued:
+                self._remove(entry)
+                expired = deadline is not None and loop.time() >= deadline
+                self._observer.dropped("deadline_exceeded" if expired else "cancelled")
+            raise
+
+    def _set_depth(self, depth: int) -> None:
+        self._depth = depth
+        self._observer.queue_depth(depth)
+        self._changed.set()
+
+    def _remove(self, entry: _Entry[T]) -> None:
+        group = self._groups[entry.group]
+        group.remove(entry)
+        if not group:
+            del self._groups[entry.group]
+        entry.queued = False
+        self._set_depth(self._depth - 1)
+
+    # -- batch formation -------------------------------------------------------------------
+
+    def _oldest(self) -> _Entry[T] | None:
+        heads = [q[0] for q in self._groups.values()]
+        return min(heads, key=lambda e: e.enqueued) if heads else None
+
+    def _plan(self, group: Hashable) -> tuple[int, bool]:
+        """How many queued entries of `group` fit one batch, and whether that batch is full."""
+        limits = self._limits
+        count = sequences = longest = 0
+        for entry in self._groups.get(group, ()):
+            total = sequences + entry.sequences
+            tokens = total * max(longest, entry.length)
+            if count and (total > limits.max_batch_size or tokens > limits.max_batch_tokens):
+                return count, True
+            count, sequences, longest = count + 1, total, max(longest, entry.length)
+            if sequences >= limits.max_batch_size or tokens >= limits.max_batch_tokens:
+                return count, True
+        return count, False
+
+    def _expire(self, now: float) -> None:
+        for group in list(self._groups.values()):
+            for entry in [e for e in group if e.deadline is not None and e.deadline <= now]:
+                self._remove(entry)
+                self._observer.dropped("deadline_exceeded")
+                entry.future.set_exception(
+                    DeadlineExpired("the request's deadline passed while it waited in the queue")
+                )
+
+    async def _next_batch(self) -> list[_Entry[T]]:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._expire(loop.time())
+            head = self._oldest()
+            if head is None:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            close_at = head.enqueued + self._limits.max_queue_delay_s
+            while not self._closing and not self._plan(head.group)[1]:
+                remaining = close_at - loop.time()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except TimeoutError:
+                    break
+            self._expire(loop.time())
+            count, _ = self._plan(head.group)
+            if count:
+                group = self._groups[head.group]
+                batch = [group.popleft() for _ in range(count)]
+                if not group:
+                    del self._groups[head.group]
+                for entry in batch:
+                    entry.queued = False
+                self._set_depth(self._depth - count)
+                return batch
+
+    async def _loop(self) -> None:
+        while True:
+            runner = await self._idle.get()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self._idle.put_nowait(runner)
+                raise
+            task = asyncio.get_running_loop().create_task(self._run(runner, batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, runner: Runner, batch: list[_Entry[T]]) -> None:
+        try:
+            started = asyncio.get_running_loop().time()
+            waits = [started - e.enqueued for e in batch]
+            self._observer.batch_started(len(batch), waits)
+            sequences = sum(e.sequences for e in batch)
+            try:
+                results = await runner([e.item for e in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"runner returned {len(results)} results for {len(batch)} requests")
+            except asyncio.CancelledError:
+                self._fail(batch, ShuttingDown("the server stopped while this request ran"))
+                raise
+            except Exception as exc:
+                log.exception("batch of %d requests failed", len(batch))
+                self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
+                return
+            for entry, result, wait in zip(batch, results, waits, strict=True):
+                if not entry.future.done():  # the caller may have gone while it ran
+                    entry.future.set_result(Completed(result, wait, len(batch), sequences))
+        finally:
+            self._idle.put_nowait(runner)
+            self._changed.set()
+
+    @staticmethod
+    def _fail(entries: list[_Entry[T]], error: Exception) -> None:
+        for entry in entries:
+            if not entry.future.done():
+                entry.future.set_exception(error)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuses new items, runs everything queued without waiting for delays, waits for it.
+
+        Returns False if work was still pending after `timeout_s`; that work fails UNAVAILABLE.
+        """
+        self._closing = True
+        self._arrived.set()
+
+        async def settled() -> None:
+            # _running still holds a task until just after its done-callback runs.
+            while self._depth or any(not t.done() for t in self._running):
+                self._changed.clear()
+                await self._changed.wait()
+
+        try:
+            await asyncio.wait_for(settled(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stops batching; anything still queued or running fails with UNAVAILABLE."""
+        self._closing = True
+        tasks = [t for t in (self._loop_task, *self._running) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for group in self._groups.values():
+            self._fail(list(group), ShuttingDown("the server stopped before this request ran"))
+        self._groups.clear()
+        self._set_depth(0)

@@ -1,0 +1,391 @@
+"""attnserve bench: closed-loop load from several processes, a concurrency sweep, and the in-process limit.
+
+Each client process runs an asyncio client with its share of the concurrency; every
+in-flight slot sends its next request as soon as the previous one answers. After the
+sweep, the same model runs in this process, without gRPC, at the batch size the server
+reached, and each row shows the server's throughput as a ratio of that limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+_READY = re.compile(r"attnserve ready grpc=(\S+):(\d+)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="closed-loop load generator: concurrency sweep, latency percentiles, in-process ratio",
+        description="Closed-loop benchmark. Without --target it starts its own server (one per "
+        "--max-batch-size value) with the model flags given here, on 127.0.0.1.",
+    )
+    p.add_argument("--target", help="benchmark a running server instead of starting one")
+    p.add_argument("--model", default="default", help="model name (default 'default')")
+    p.add_argument("--concurrency", default="1,8,32,64", help="comma list of in-flight requests (default 1,8,32,64)")
+    p.add_argument("--duration-s", type=float, default=8.0, help="measured seconds per level (default 8)")
+    p.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
+    p.add_argument("--processes", type=int, default=0, help="client processes (default: min(concurrency, cores))")
+    p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
+    p.add_argument("--seq-len", type=int, default=64, help="query length L (default 64)")
+    p.add_argument("--kv-len", type=int, help="key length S: cross attention (MHA) or K/V length (sdpa)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
+    p.add_argument("--inprocess-s", type=float, default=3.0, help="seconds per in-process measurement (default 3)")
+    g = p.add_argument_group("server started by bench (ignored with --target)")
+    g.add_argument("--kind", default="mha")
+    g.add_argument("--embed-dim", type=int, default=256)
+    g.add_argument("--num-heads", type=int, default=8)
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-batch-size", default="64", help="comma list: one server (and sweep) per value")
+    g.add_argument("--max-batch-tokens", type=int, default=65536)
+    g.add_argument("--max-queue-delay-ms", type=float, default=0.0)
+    g.add_argument("--torch-threads", type=int)
+
+
+@dataclass
+class Row:
+    server: str
+    concurrency: int
+    requests: int
+    errors: int
+    throughput_rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_batch: float
+    inprocess_rps: float | None = None
+    inprocess_batch: int | None = None
+    ratio: float | None = None
+    error_samples: list[str] = field(default_factory=list)
+
+
+# -- client processes -----------------------------------------------------------------------
+
+
+def _client_process(
+    target: str,
+    inputs: dict[str, Any],
+    concurrency: int,
+    start_at: float,
+    warmup_s: float,
+    duration_s: float,
+    progress: Any,
+    slot: int,
+    results: Any,
+) -> None:
+    from attnserve import AsyncClient, AttnServeError
+
+    measure_from = start_at + warmup_s
+    end_at = measure_from + duration_s
+    latencies: list[float] = []
+    batches: list[int] = []
+    errors: list[str] = []
+
+    async def one_slot(client: AsyncClient) -> None:
+        while (now := time.time()) < end_at:
+            t0 = time.perf_counter()
+            try:
+                result = await client.attend(**inputs, timeout_s=30)
+            except AttnServeError as exc:
+                if now >= measure_from:
+                    errors.append(f"{exc.code.name}: {exc.message}")
+                continue
+            if now >= measure_from and time.time() <= end_at:
+                latencies.append(time.perf_counter() - t0)
+                batches.append(result.timing.batch_size)
+                progress[slot] += 1
+
+    async def main() -> None:
+        async with AsyncClient(target, wait_for_ready=True) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            await asyncio.gather(*(one_slot(client) for _ in range(concurrency)))
+
+    asyncio.run(main())
+    results.put((latencies, batches, errors))
+
+
+def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    shape = (args.batch, args.seq_len, info.embed_dim)
+    inputs: dict[str, Any] = {
+        "query": rng.standard_normal(shape, dtype=np.float32),
+        "model": info.name,
+        "causal": args.causal,
+        "dtype": None if info.dtype == "float32" else info.dtype,
+    }
+    kv_len = args.kv_len or (args.seq_len if info.kind == "sdpa" else None)
+    if kv_len is not None:
+        inputs["key"] = rng.standard_normal((args.batch, kv_len, info.kdim), dtype=np.float32)
+        inputs["value"] = rng.standard_normal((args.batch, kv_len, info.vdim), dtype=np.float32)
+    return inputs
+
+
+def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argparse.Namespace, label: str) -> Row:
+    ctx = mp.get_context("spawn")  # no fork after gRPC has started threads
+    procs = min(concurrency, args.processes or os.cpu_count() or 1)
+    shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    progress = ctx.Array("q", procs, lock=False)
+    results = ctx.Queue()
+    start_at = time.time() + 1.5  # time for the spawned interpreters to import the client
+    workers = [
+        ctx.Process(
+            target=_client_process,
+            args=(target, inputs, share, start_at, args.warmup_s, args.duration_s, progress, i, results),
+        )
+        for i, share in enumerate(shares)
+    ]
+    for w in workers:
+        w.start()
+    end_at = start_at + args.warmup_s + args.duration_s
+    gathered = []
+    while len(gathered) < procs:
+        try:
+            gathered.append(results.get(timeout=1.0))
+        except Exception:  # queue.Empty: print progress while we wait
+            done = sum(progress)
+            phase = "warm-up" if time.time() < start_at + args.warmup_s else f"{max(0, end_at - time.time()):.0f}s left"
+            print(
+                f"\r  {label} c={concurrency}: {done} requests ({phase})   ",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+            if not any(w.is_alive() for w in workers) and results.empty():
+                raise RuntimeError("a client process died; see its traceback above") from None
+    for w in workers:
+        w.join()
+    print(file=sys.stderr)
+    lat = np.array([x for g in gathered for x in g[0]])
+    batches = [x for g in gathered for x in g[1]]
+    errors = [x for g in gathered for x in g[2]]
+    if lat.size == 0:
+        raise RuntimeError(f"no request completed at concurrency {concurrency}: {errors[:3]}")
+    p50, p90, p99 = np.percentile(lat, [50, 90, 99]) * 1e3
+    return Row(
+        server=label,
+        concurrency=concurrency,
+        requests=int(lat.size),
+        errors=len(errors),
+        throughput_rps=lat.size / args.duration_s,
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        mean_batch=float(np.mean(batches)),
+        error_samples=sorted(set(errors))[:3],
+    )
+
+
+# -- servers started by bench ---------------------------------------------------------------
+
+
+def _start_server(args: argparse.Namespace, max_batch_size: str) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnserve_server",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--kind",
+        args.kind,
+        "--embed-dim",
+        str(args.embed_dim),
+        "--num-heads",
+        str(args.num_heads),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-batch-size",
+        max_batch_size,
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--max-queue-delay-ms",
+        str(args.max_queue_delay_ms),
+        "--model-name",
+        args.model,
+        "--max-queue-size",
+        "4096",
+    ]
+    if args.torch_threads:
+        cmd += ["--torch-threads", str(args.torch_threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = _READY.search(line)
+        if match:
+            return proc, f"{match.group(1)}:{match.group(2)}"
+    raise RuntimeError(f"the server exited with code {proc.wait()} before it was ready")
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# -- the in-process limit -------------------------------------------------------------------
+
+
+def inprocess_throughput(info: Any, inputs: dict[str, Any], batch_requests: int, seconds: float = 3.0) -> float:
+    """Requests/s of the model computed directly on a device worker, batch_requests at a time."""
+    import torch
+
+    from attnserve_server.compute.weights import random_projections
+    from attnserve_server.compute.worker import DeviceWorker
+    from attnserve_server.domain import AttentionRequest
+    from attnserve_server.model import spec_from_settings
+    from attnserve_server.settings import BatchingSettings, ModelSettings
+
+    settings = ModelSettings(
+        name=info.name,
+        kind=info.kind,
+        embed_dim=info.embed_dim,
+        num_heads=info.num_heads,
+        kdim=info.kdim,
+        vdim=info.vdim,
+        bias=info.bias,
+        dtype=info.dtype,
+        device=(info.devices[0],),
+        batching=BatchingSettings(max_batch_size=max(info.max_batch_size, batch_requests)),
+    )
+    spec = spec_from_settings(settings)
+    params = None if info.kind == "sdpa" else random_projections(spec, 0)
+    worker = DeviceWorker(spec, params, torch.device(info.devices[0]))
+
+    def tensor(name: str) -> torch.Tensor | None:
+        return None if inputs.get(name) is None else torch.from_numpy(inputs[name]).to(spec.dtype)
+
+    request = AttentionRequest(
+        tensor("query"), tensor("key"), tensor("value"), None, inputs["causal"], False, False, unbatched=False
+    )
+    batch = [request] * batch_requests
+
+    def measure() -> float:
+        worker.warmup()
+        for _ in range(3):
+            worker.run(batch)
+        runs, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            worker.run(batch)
+            runs += 1
+        return runs * batch_requests / elapsed
+
+    try:
+        # On the worker's own thread, as in the server.
+        return worker.executor.submit(measure).result()
+    finally:
+        worker.close()
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def _table(rows: list[Row]) -> str:
+    head = (
+        f"{'server':<16} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'batch':>6} {'in-proc req/s':>14} {'ratio':>6} {'errors':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        inproc = f"{r.inprocess_rps:.1f} @{r.inprocess_batch}" if r.inprocess_rps else "-"
+        ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+        lines.append(
+            f"{r.server:<16} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
+            f"{r.p99_ms:>8.3f} {r.mean_batch:>6.1f} {inproc:>14} {ratio:>6} {r.errors:>6}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnserve import Client
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    variants = [None] if args.target else args.max_batch_size.split(",")
+    rows: list[Row] = []
+    info = inputs = None
+    for variant in variants:
+        proc = None
+        target = args.target
+        if variant is not None:
+            proc, target = _start_server(args, variant)
+        label = f"max_batch={variant}" if variant is not None else target
+        try:
+            with Client(target, wait_for_ready=True, timeout_s=60) as client:
+                info = client.model(args.model)
+            inputs = _inputs(info, args)
+            for level in levels:
+                rows.append(_run_level(target, inputs, level, args, label))
+                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+        finally:
+            if proc is not None:
+                _stop_server(proc)
+    if not args.no_inprocess and info is not None and inputs is not None:
+        # Measured after the servers stopped, on the model's device, at each batch size reached.
+        cache: dict[int, float] = {}
+        for row in rows:
+            k = max(1, round(row.mean_batch))
+            if k not in cache:
+                print(f"  in-process: batches of {k} request(s)", file=sys.stderr)
+                cache[k] = inprocess_throughput(info, inputs, k, args.inprocess_s)
+            row.inprocess_rps, row.inprocess_batch = cache[k], k
+            row.ratio = row.throughput_rps / cache[k]
+    command = "attnserve " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnserve") else " ".join(sys.argv)
+    print(f"\n{command}\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  {_machine()}")
+    if info is not None:
+        print(
+            f"model {info.name}: {info.kind}, E={info.embed_dim}, heads={info.num_heads}, {info.dtype}, "
+            f"on {','.join(info.devices)}; request: batch {args.batch} x L={args.seq_len}"
+            + (f", S={args.kv_len}" if args.kv_len else "")
+            + (", causal" if args.causal else "")
+        )
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "command": command,
+                    "machine": _machine(),
+                    "date": datetime.now(timezone.utc).isoformat(),
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=2,
+            )
+    return 0

@@ -1,0 +1,186 @@
+"""The attnserve command line: serve, infer, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from attnserve_server.settings import OPTIONS
+
+_DESCRIPTION = "attnserve: multi-head attention served over gRPC."
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the server. With no config it serves one model, 'default' (MHA, E=256, 8 heads, "
+        "float32). Every flag can also be set as ATTNSERVE_<FLAG> (e.g. ATTNSERVE_MAX_BATCH_SIZE=32); "
+        "flags win over the environment, which wins over the config file. Model flags apply to every model.",
+    )
+    p.add_argument("--config", help="YAML or TOML config file (env ATTNSERVE_CONFIG)")
+    for opt in OPTIONS:
+        kind = str if opt.type is bool else opt.type
+        p.add_argument(f"--{opt.flag}", dest=opt.dest, type=kind, default=None, help=f"{opt.help} [{opt.env}]")
+
+
+def _add_infer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "infer",
+        help="send one request (random data or .npy files) and summarize the answer",
+        description="Send one attention request. Inputs are .npy files, or random data shaped from the "
+        "model's metadata.",
+    )
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    p.add_argument("--model", default="", help="model name (default: the server's first model)")
+    p.add_argument("--query", help=".npy file: [L, E] or [B, L, E]")
+    p.add_argument("--key-value", help=".npy file: X' for cross attention")
+    p.add_argument("--key", help=".npy file: K (bare operation) or key input (MHA with kdim)")
+    p.add_argument("--value", help=".npy file: V (bare operation) or value input (MHA with vdim)")
+    p.add_argument("--batch", type=int, default=1, help="random data: sequences (default 1)")
+    p.add_argument("--seq-len", type=int, default=64, help="random data: query length L (default 64)")
+    p.add_argument("--kv-len", type=int, help="random data: key length S; cross attention when given")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--key-lengths", help="comma list of key lengths, one per sequence")
+    p.add_argument("--need-weights", action="store_true", help="also return the attention matrix")
+    p.add_argument("--average-weights", action="store_true", help="average the matrix over heads")
+    p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
+    p.add_argument("--output", help="save Y to this .npy file")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="deadline (default 30)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnserve", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_infer(sub)
+    from attnserve_server.bench import add_parser as add_bench
+
+    add_bench(sub)
+    return parser
+
+
+async def _serve(settings: Any) -> int:
+    from attnserve_server.app import AttnServer
+
+    server = AttnServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    metrics = f"{settings.host}:{server.metrics_port}" if server.metrics_port is not None else "off"
+    # One line on stdout for scripts (and tests) that start the server: its real ports.
+    print(
+        f"attnserve ready grpc={settings.host}:{server.port} metrics={metrics} models={','.join(server.models)}",
+        flush=True,
+    )
+    await stop.wait()
+    logging.getLogger("attnserve").info("shutting down: finishing accepted requests (grace %.1fs)", settings.grace_s)
+    await server.stop()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from attnserve_server.errors import ConfigError
+    from attnserve_server.settings import load_settings
+
+    try:
+        settings = load_settings(args.config, os.environ, vars(args))
+    except ConfigError as exc:
+        print(f"attnserve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    # libgomp's worker threads spin between parallel regions by default; in a server they
+    # would spin against the gRPC and event-loop threads. Must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(_serve(settings))
+    except ConfigError as exc:  # weights that do not fit the config surface while loading
+        print(f"attnserve: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _summary(name: str, arr: Any) -> str:
+    return (
+        f"{name}: shape {list(arr.shape)} {arr.dtype}  mean {arr.mean():+.6f}  std {arr.std():.6f}  "
+        f"min {arr.min():+.6f}  max {arr.max():+.6f}"
+    )
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    import numpy as np
+    from attnserve import AttnServeError, Client
+
+    rng = np.random.default_rng(args.seed)
+    with Client(args.target, timeout_s=args.timeout_s) as client:
+        try:
+            info = client.model(args.model)
+            dtype = None if info.dtype == "float32" else info.dtype
+
+            def data(path: str | None, length: int | None, width: int) -> Any:
+                if path:
+                    return np.load(path)
+                if length is None:
+                    return None
+                return rng.standard_normal((args.batch, length, width), dtype=np.float32)
+
+            query = data(args.query, args.seq_len, info.embed_dim)
+            kv_len = args.kv_len if args.kv_len is not None else (args.seq_len if info.kind == "sdpa" else None)
+            fields: dict[str, Any] = {}
+            if args.key_value:
+                fields["key_value"] = np.load(args.key_value)
+            elif info.kind == "sdpa" or info.kdim != info.vdim or args.key or args.value:
+                fields["key"] = data(args.key, kv_len, info.kdim)
+                fields["value"] = data(args.value, kv_len, info.vdim)
+            elif kv_len is not None:
+                fields["key_value"] = data(None, kv_len, info.kdim)
+            if args.key_lengths:
+                fields["key_lengths"] = [int(x) for x in args.key_lengths.split(",")]
+            result = client.attend(
+                query,
+                model=args.model,
+                causal=args.causal,
+                need_weights=args.need_weights,
+                average_weights=args.average_weights,
+                dtype=dtype,
+                **fields,
+            )
+        except AttnServeError as exc:
+            print(f"attnserve infer: {exc.code.name}: {exc.message}", file=sys.stderr)
+            return 1
+    t = result.timing
+    print(f"model {result.model} ({info.kind}, E={info.embed_dim}, heads={info.num_heads}, {info.dtype})")
+    print(_summary("query", np.asarray(query)))
+    print(_summary("output", result.output))
+    if result.attention_weights is not None:
+        print(_summary("attention_weights", result.attention_weights))
+    print(
+        f"timing: queue {t.queue_s * 1e3:.3f} ms  compute {t.compute_s * 1e3:.3f} ms  "
+        f"server {t.server_s * 1e3:.3f} ms  "
+        f"batch {t.batch_size} request(s), {t.batch_sequences} sequence(s)"
+    )
+    if args.output:
+        np.save(args.output, result.output)
+        print(f"saved output to {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "infer":
+        return cmd_infer(args)
+    from attnserve_server.bench import run as run_bench
+
+    return run_bench(args)

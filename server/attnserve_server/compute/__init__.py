@@ -1,0 +1,1 @@
+"""Compute: torch on a device. Knows nothing of gRPC or queues."""

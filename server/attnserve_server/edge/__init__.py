@@ -1,0 +1,1 @@
+"""The gRPC edge: protobuf <-> domain values, validation, status codes."""

@@ -1,0 +1,217 @@
+"""Prometheus metrics, defined once on a registry the caller passes in, and their HTTP endpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# 100 us to 10 s.
+LATENCY_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+DROP_REASONS = ("queue_full", "deadline_exceeded", "cancelled", "shutting_down")
+
+
+class Metrics:
+    """Every metric attnserve exports. Label values: model names from config, never from requests."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "attnserve_requests",
+            "Requests answered, by model, RPC method and gRPC status code.",
+            ["model", "method", "code"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "attnserve_request_duration_seconds",
+            "Server-side latency of a request, receipt to response.",
+            ["model", "method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "attnserve_queue_wait_seconds",
+            "Time a request waited in its model's queue before its batch ran.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.compute_duration = Histogram(
+            "attnserve_compute_duration_seconds",
+            "Time a device worker spent on one batch, copies included.",
+            ["model", "device"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.batch_requests = Histogram(
+            "attnserve_batch_requests",
+            "Requests per batch.",
+            ["model"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_sequences = Histogram(
+            "attnserve_batch_sequences",
+            "Sequences per batch.",
+            ["model"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "attnserve_batch_tokens",
+            "Query tokens per batch, before padding.",
+            ["model"],
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.batch_padding = Histogram(
+            "attnserve_batch_padding_ratio",
+            "Share of a batch's query and key positions that are padding.",
+            ["model"],
+            buckets=RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "attnserve_tokens",
+            "Query tokens computed.",
+            ["model"],
+            registry=registry,
+        )
+        self.batch_failures = Counter(
+            "attnserve_batch_failures",
+            "Batches that raised on their device worker.",
+            ["model", "device"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "attnserve_dropped_requests",
+            "Requests accepted or refused without being computed, by reason.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "attnserve_queue_depth",
+            "Requests waiting in the model's queue.",
+            ["model"],
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "attnserve_inflight_requests",
+            "Requests being handled: received and not yet answered.",
+            ["model"],
+            registry=registry,
+        )
+        self.model_info = Info(
+            "attnserve_model",
+            "A served model's configuration.",
+            ["model"],
+            registry=registry,
+        )
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self, model)
+
+    def watch_cuda_memory(self, devices: list[str]) -> None:
+        if devices:
+            self.registry.register(_CudaMemoryCollector(devices))
+
+    def serve_http(self, host: str, port: int):
+        """Starts the /metrics endpoint on its own thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+
+class ModelMetrics:
+    """One model's label children, bound once (label lookups are not free on the request path)."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._metrics = metrics
+        self.model = model
+        self._queue_wait = metrics.queue_wait.labels(model)
+        self._batch_requests = metrics.batch_requests.labels(model)
+        self._batch_sequences = metrics.batch_sequences.labels(model)
+        self._batch_tokens = metrics.batch_tokens.labels(model)
+        self._batch_padding = metrics.batch_padding.labels(model)
+        self._tokens = metrics.tokens.labels(model)
+        self._queue_depth = metrics.queue_depth.labels(model)
+        self.inflight = metrics.inflight.labels(model)
+        self._dropped = {reason: metrics.dropped.labels(model, reason) for reason in DROP_REASONS}
+        for child in self._dropped.values():
+            child.inc(0)
+
+    def describe(self, **info: str) -> None:
+        self._metrics.model_info.labels(self.model).info(info)
+
+    # BatchObserver
+    def queue_depth(self, depth: int) -> None:
+        self._queue_depth.set(depth)
+
+    def dropped(self, reason: str) -> None:
+        self._dropped[reason].inc()
+
+    def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
+        self._batch_requests.observe(requests)
+        for wait in queue_waits_s:
+            self._queue_wait.observe(wait)
+
+    # worker reports
+    def batch_computed(self, device: str, compute_s: float, sequences: int, tokens: int, padding: float) -> None:
+        self._metrics.compute_duration.labels(self.model, device).observe(compute_s)
+        self._batch_sequences.observe(sequences)
+        self._batch_tokens.observe(tokens)
+        self._batch_padding.observe(padding)
+        self._tokens.inc(tokens)
+
+    def batch_failed(self, device: str) -> None:
+        self._metrics.batch_failures.labels(self.model, device).inc()
+
+    def request_done(self, method: str, code: str, duration_s: float) -> None:
+        self._metrics.requests.labels(self.model, method, code).inc()
+        self._metrics.request_duration.labels(self.model, method).observe(duration_s)
+
+
+class _CudaMemoryCollector(Collector):
+    """Reads device memory at scrape time, so the request path pays nothing for it."""
+
+    def __init__(self, devices: list[str]) -> None:
+        self._devices = devices
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        import torch
+
+        allocated = GaugeMetricFamily(
+            "attnserve_device_memory_allocated_bytes",
+            "Memory held by tensors on a CUDA device.",
+            labels=["device"],
+        )
+        reserved = GaugeMetricFamily(
+            "attnserve_device_memory_reserved_bytes",
+            "Memory reserved by torch's caching allocator on a CUDA device.",
+            labels=["device"],
+        )
+        for device in self._devices:
+            allocated.add_metric([device], torch.cuda.memory_allocated(device))
+            reserved.add_metric([device], torch.cuda.memory_reserved(device))
+        yield allocated
+        yield reserved

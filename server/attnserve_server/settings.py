@@ -1,0 +1,307 @@
+"""Typed settings: built-in defaults < config file (YAML/TOML) < ATTNSERVE_* environment < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from attnserve_server.errors import ConfigError
+
+ENV_PREFIX = "ATTNSERVE_"
+DTYPES = ("float32", "float16", "bfloat16")
+KINDS = ("mha", "sdpa")
+WEIGHT_FORMATS = ("random", "torch", "bert")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    max_batch_size: int = 64
+    max_batch_tokens: int = 65536
+    max_queue_delay_ms: float = 0.0
+    max_queue_size: int = 1024
+
+
+@dataclass(frozen=True)
+class WeightsSettings:
+    # random: seeded, reproducible; torch: a torch.nn.MultiheadAttention state_dict in a
+    # safetensors file; bert: a Hugging Face BERT attention block found under `prefix`.
+    format: str = "random"
+    path: str | None = None
+    prefix: str = ""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    name: str = "default"
+    kind: str = "mha"
+    embed_dim: int = 256
+    num_heads: int = 8
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = True
+    dtype: str = "float32"
+    # auto: every visible GPU, else the CPU. One worker per device listed.
+    device: tuple[str, ...] = ("auto",)
+    max_query_len: int = 4096
+    max_key_len: int = 4096
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    weights: WeightsSettings = field(default_factory=WeightsSettings)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    # 0 picks a free port; a negative port turns the metrics endpoint off.
+    metrics_port: int = 9090
+    grace_s: float = 10.0
+    max_message_bytes: int = 256 * 1024 * 1024
+    torch_threads: int | None = None
+    log_level: str = "INFO"
+    models: tuple[ModelSettings, ...] = (ModelSettings(),)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting reachable as --flag and ATTNSERVE_FLAG; `scope` says where it lands."""
+
+    flag: str
+    scope: str  # server | model | batching | weights
+    type: Any
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "server", str, "address to bind (default 0.0.0.0)"),
+    Option("port", "server", int, "gRPC port; 0 picks a free one (default 50051)"),
+    Option("metrics-port", "server", int, "Prometheus port; 0 picks a free one, -1 disables (default 9090)"),
+    Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
+    Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
+    Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
+    Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    Option("model-name", "model", str, "name of the model (default 'default')"),
+    Option("kind", "model", str, "mha (learned projections) or sdpa (bare attention) (default mha)"),
+    Option("embed-dim", "model", int, "embedding width E (default 256)"),
+    Option("num-heads", "model", int, "attention heads h; E must divide by h (default 8)"),
+    Option("kdim", "model", int, "key input width (default E)"),
+    Option("vdim", "model", int, "value input width (default E)"),
+    Option("bias", "model", bool, "projection biases, true or false (default true)"),
+    Option("dtype", "model", str, "float32, float16 or bfloat16 (default float32)"),
+    Option("device", "model", str, "auto, cpu, cuda, cuda:N, or a comma list: one worker each (default auto)"),
+    Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
+    Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
+    Option("max-batch-size", "batching", int, "sequences in one batch (default 64)"),
+    Option("max-batch-tokens", "batching", int, "padded query tokens in one batch (default 65536)"),
+    Option("max-queue-delay-ms", "batching", float, "wait after a batch's first request (default 0)"),
+    Option("max-queue-size", "batching", int, "queued requests before RESOURCE_EXHAUSTED (default 1024)"),
+    Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
+    Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
+    Option(
+        "weights-prefix",
+        "weights",
+        str,
+        "key prefix of a BERT attention block, e.g. encoder.layer.0.attention",
+    ),
+    Option("seed", "weights", int, "seed of random weights (default 0)"),
+)
+# Option dest -> dataclass field where they differ.
+_FIELD = {"model_name": "name", "weights": "path", "weights_format": "format", "weights_prefix": "prefix"}
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:
+        raise ConfigError(f"config file {path}: cannot parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    return data
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(value, inner, where)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not items:
+            raise ConfigError(f"{where}: expected a name or a non-empty list, got {value!r}")
+        return tuple(str(item).strip() for item in items)
+    try:
+        if hint is bool:
+            return value if isinstance(value, bool) else parse_bool(str(value))
+        if hint is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return hint(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
+    values = {}
+    for key, raw in data.items():
+        if cls is ServerSettings and key == "models":
+            if not isinstance(raw, list) or not raw:
+                raise ConfigError(f"{where}models: expected a non-empty list of models")
+            values[key] = tuple(_build(ModelSettings, m, f"{where}models[{i}].") for i, m in enumerate(raw))
+        else:
+            values[key] = _convert(raw, hints[key], f"{where}{key}")
+    return cls(**values)
+
+
+def _overrides(env: Mapping[str, str], flags: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Settings given by environment and flags, grouped by scope; flags win."""
+    scoped: dict[str, dict[str, Any]] = {"server": {}, "model": {}, "batching": {}, "weights": {}}
+    for opt in OPTIONS:
+        raw = flags.get(opt.dest)
+        if raw is None and opt.env in env:
+            raw = env[opt.env]
+            where = opt.env
+        else:
+            where = f"--{opt.flag}"
+        if raw is not None:
+            scoped[opt.scope][_FIELD.get(opt.dest, opt.dest)] = (raw, where)
+    return scoped
+
+
+def _apply(obj: Any, overrides: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(type(obj))
+    changes = {name: _convert(raw, hints[name], where) for name, (raw, where) in overrides.items()}
+    return dataclasses.replace(obj, **changes)
+
+
+def load_settings(
+    config_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> ServerSettings:
+    """Builds and validates the settings. Flags and environment apply to every model."""
+    env = {} if env is None else env
+    flags = flags or {}
+    path = config_path or env.get(ENV_PREFIX + "CONFIG")
+    settings = _build(ServerSettings, _read_file(Path(path)), "") if path else ServerSettings()
+    scoped = _overrides(env, flags)
+    if scoped["weights"].get("path") and "format" not in scoped["weights"]:
+        scoped["weights"]["format"] = ("torch", "--weights")
+    models = tuple(
+        dataclasses.replace(
+            _apply(m, scoped["model"]),
+            batching=_apply(m.batching, scoped["batching"]),
+            weights=_apply(m.weights, scoped["weights"]),
+        )
+        for m in settings.models
+    )
+    settings = dataclasses.replace(_apply(settings, scoped["server"]), models=models)
+    validate(settings)
+    return settings
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(settings: ServerSettings) -> None:
+    _check(0 <= settings.port <= 65535, f"port: expected 0..65535, got {settings.port}")
+    _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
+    _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
+    _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(
+        settings.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+        f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {settings.log_level!r}",
+    )
+    seen: set[str] = set()
+    for i, m in enumerate(settings.models):
+        at = f"models[{i}] ({m.name!r})"
+        _check(
+            bool(_NAME_RE.match(m.name)),
+            f"{at}.name: expected letters, digits, '_', '.', '-', got {m.name!r}",
+        )
+        _check(m.name not in seen, f"{at}.name: duplicate model name")
+        seen.add(m.name)
+        _check(m.kind in KINDS, f"{at}.kind: expected one of {KINDS}, got {m.kind!r}")
+        _check(m.dtype in DTYPES, f"{at}.dtype: expected one of {DTYPES}, got {m.dtype!r}")
+        _check(m.embed_dim > 0 and m.num_heads > 0, f"{at}: embed_dim and num_heads must be positive")
+        _check(
+            m.embed_dim % m.num_heads == 0,
+            f"{at}.embed_dim: {m.embed_dim} is not divisible by num_heads {m.num_heads}",
+        )
+        for name in ("kdim", "vdim"):
+            dim = getattr(m, name)
+            _check(dim is None or dim > 0, f"{at}.{name}: expected a positive width, got {dim}")
+        if m.kind == "sdpa":
+            _check(
+                m.kdim in (None, m.embed_dim),
+                f"{at}.kdim: the bare operation needs kdim == embed_dim ({m.embed_dim}), got {m.kdim}",
+            )
+            vdim = m.vdim or m.embed_dim
+            _check(vdim % m.num_heads == 0, f"{at}.vdim: {vdim} is not divisible by num_heads {m.num_heads}")
+            _check(m.weights.format == "random", f"{at}.weights: the bare operation has no weights to load")
+        for dev in m.device:
+            _check(bool(_DEVICE_RE.match(dev)), f"{at}.device: expected auto, cpu, cuda or cuda:N, got {dev!r}")
+        _check(m.max_query_len > 0 and m.max_key_len > 0, f"{at}: max_query_len and max_key_len must be positive")
+        b = m.batching
+        _check(b.max_batch_size > 0, f"{at}.batching.max_batch_size: expected > 0, got {b.max_batch_size}")
+        _check(b.max_queue_size > 0, f"{at}.batching.max_queue_size: expected > 0, got {b.max_queue_size}")
+        _check(b.max_queue_delay_ms >= 0, f"{at}.batching.max_queue_delay_ms: expected >= 0")
+        _check(
+            b.max_batch_tokens >= m.max_query_len,
+            f"{at}.batching.max_batch_tokens: {b.max_batch_tokens} cannot hold one sequence of "
+            f"max_query_len {m.max_query_len}",
+        )
+        w = m.weights
+        _check(
+            w.format in WEIGHT_FORMATS,
+            f"{at}.weights.format: expected one of {WEIGHT_FORMATS}, got {w.format!r}",
+        )
+        _check(w.format == "random" or bool(w.path), f"{at}.weights.path: format {w.format!r} needs a file")
+        _check(w.format != "bert" or bool(w.prefix), f"{at}.weights.prefix: format 'bert' needs a key prefix")
