@@ -1,0 +1,99 @@
+"""Shared fixtures: a real AttnServer on 127.0.0.1:0, driven from the test thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+from attnserve_server import AttnServer
+from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class Running:
+    server: AttnServer
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro: Any, timeout_s: float = 60) -> Any:
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def metrics_text(self) -> str:
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The value of one sample from a real scrape (0 if absent)."""
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 20) -> None:
+        """Polls a condition (a scrape, usually); fails the test if it does not hold in time."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached in time")
+            time.sleep(0.01)
+
+
+def model(name: str = "default", **fields: Any) -> ModelSettings:
+    batching = {k: fields.pop(k) for k in list(fields) if k in BatchingSettings.__dataclass_fields__}
+    fields.setdefault("device", ("cpu",))
+    return replace(ModelSettings(name=name, **fields), batching=BatchingSettings(**batching))
+
+
+def settings(*models: ModelSettings, **fields: Any) -> ServerSettings:
+    return ServerSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=5.0, models=models or (model(),), **fields)
+
+
+@contextlib.contextmanager
+def running(server_settings: ServerSettings, **kwargs: Any) -> Iterator[Running]:
+    """Starts a real server on its own event loop thread; stops it gracefully afterwards."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = AttnServer(server_settings, **kwargs)
+    handle = Running(server, loop)
+    try:
+        handle.call(server.start())
+        yield handle
+    finally:
+        handle.call(server.stop(2.0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[Running]:
+    """One shared server for tests that only read: models of both kinds and cross-attention widths."""
+    models = (
+        model("default", embed_dim=32, num_heads=4, max_query_len=128, max_key_len=96),
+        model("bare", kind="sdpa", embed_dim=32, num_heads=4, vdim=16),
+        model("cross", embed_dim=32, num_heads=4, kdim=24, vdim=40),
+        model("half", embed_dim=32, num_heads=4, dtype="bfloat16"),
+    )
+    with running(settings(*models)) as handle:
+        yield handle
+
+
+@pytest.fixture(autouse=True)
+def _torch_determinism() -> None:
+    torch.manual_seed(0)

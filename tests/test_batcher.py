@@ -1,0 +1,302 @@
+"""The batcher on its own: a fake runner gated by asyncio.Event, no sockets, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from attnserve_server.batching import Batcher, BatchLimits
+from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ShuttingDown
+
+
+class FakeRunner:
+    """Records each batch; each run waits until the test opens the gate."""
+
+    def __init__(self, fail_on: object = None) -> None:
+        self.batches: list[list[object]] = []
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fail_on = fail_on
+
+    async def __call__(self, items: list[object]) -> list[object]:
+        self.batches.append(list(items))
+        self.started.set()
+        await self.gate.wait()
+        if self.fail_on in items:
+            raise RuntimeError("boom")
+        return [("done", item) for item in items]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.drops: Counter[str] = Counter()
+        self.depths: list[int] = []
+        self.batches: list[int] = []
+
+    def queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+    def dropped(self, reason: str) -> None:
+        self.drops[reason] += 1
+
+    def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
+        assert len(queue_waits_s) == requests and all(w >= 0 for w in queue_waits_s)
+        self.batches.append(requests)
+
+
+def limits(**kw: float) -> BatchLimits:
+    base = {"max_batch_size": 8, "max_batch_tokens": 10_000, "max_queue_delay_s": 0.0, "max_queue_size": 100}
+    base.update(kw)
+    return BatchLimits(**base)  # type: ignore[arg-type]
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def submit(b: Batcher, item: object, sequences: int = 1, length: int = 1, group: object = "g", deadline=None):
+    return asyncio.ensure_future(b.submit(item, sequences=sequences, length=length, group=group, deadline=deadline))
+
+
+def test_requests_queue_while_the_runner_is_busy_and_then_run_as_one_batch() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher([runner], limits())
+        b.start()
+        first = submit(b, "a")
+        await runner.started.wait()
+        rest = [submit(b, x) for x in "bcd"]
+        await until(lambda: b.depth == 3)
+        runner.gate.set()
+        results = await asyncio.gather(first, *rest)
+        assert runner.batches == [["a"], ["b", "c", "d"]]
+        assert [r.result for r in results] == [("done", x) for x in "abcd"]
+        assert [r.batch_size for r in results] == [1, 3, 3, 3]
+        await b.close()
+
+    run(main())
+
+
+def test_a_batch_closes_at_max_batch_size_counted_in_sequences() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        # A long delay: only the size limit can close these batches.
+        b = Batcher([runner], limits(max_batch_size=4, max_queue_delay_s=60))
+        b.start()
+        futures = [submit(b, i, sequences=2) for i in range(4)]
+        results = await asyncio.gather(*futures)
+        assert runner.batches == [[0, 1], [2, 3]]
+        assert {r.batch_sequences for r in results} == {4}
+        await b.close()
+
+    run(main())
+
+
+def test_a_batch_closes_at_max_batch_tokens_of_padded_length() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        b = Batcher([runner], limits(max_batch_tokens=100, max_queue_delay_s=60))
+        b.start()
+        # 2 sequences x longest 40 = 80 fits; a third (3 x 50 = 150) does not.
+        futures = [submit(b, "x", length=40), submit(b, "y", length=30), submit(b, "z", length=50)]
+        await until(lambda: len(runner.batches) == 1)
+        assert runner.batches == [["x", "y"]]
+        await b.drain(5)  # drain runs what is left at once
+        assert runner.batches == [["x", "y"], ["z"]]
+        assert all(f.done() for f in futures)
+
+    run(main())
+
+
+def test_the_delay_is_counted_from_the_first_request_of_the_batch() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        b = Batcher([runner], limits(max_queue_delay_s=0.05))
+        b.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = submit(b, "a")
+        await asyncio.sleep(0.02)
+        second = submit(b, "b")
+        await asyncio.gather(first, second)
+        elapsed = loop.time() - t0
+        assert runner.batches == [["a", "b"]]
+        # Closed by the first request's timer, not restarted by the second.
+        assert 0.05 <= elapsed < 0.05 + 0.02 + 0.5
+        await b.close()
+
+    run(main())
+
+
+def test_only_requests_of_the_same_group_share_a_batch_and_the_oldest_goes_first() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher([runner], limits())
+        b.start()
+        blocker = submit(b, "block")
+        await runner.started.wait()
+        futures = [
+            submit(b, "s1", group="self"),
+            submit(b, "c1", group="cross"),
+            submit(b, "s2", group="self"),
+        ]
+        await until(lambda: b.depth == 3)
+        runner.gate.set()
+        await asyncio.gather(blocker, *futures)
+        assert runner.batches == [["block"], ["s1", "s2"], ["c1"]]
+        await b.close()
+
+    run(main())
+
+
+def test_a_full_queue_refuses_at_once() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        rec = Recorder()
+        b = Batcher([runner], limits(max_queue_size=2), rec)
+        b.start()
+        running = submit(b, "r")
+        await runner.started.wait()
+        waiting = [submit(b, "w1"), submit(b, "w2")]
+        await until(lambda: b.depth == 2)
+        with pytest.raises(QueueFull, match="queue is full"):
+            await b.submit("over", sequences=1, length=1, group="g")
+        assert rec.drops["queue_full"] == 1
+        runner.gate.set()
+        await asyncio.gather(running, *waiting)
+        await b.close()
+
+    run(main())
+
+
+def test_a_cancelled_request_is_dropped_before_compute() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        rec = Recorder()
+        b = Batcher([runner], limits(), rec)
+        b.start()
+        blocker = submit(b, "block")
+        await runner.started.wait()
+        keep, gone = submit(b, "keep"), submit(b, "gone")
+        await until(lambda: b.depth == 2)
+        gone.cancel()
+        await until(lambda: b.depth == 1)
+        runner.gate.set()
+        await asyncio.gather(blocker, keep)
+        assert runner.batches == [["block"], ["keep"]]
+        assert rec.drops["cancelled"] == 1
+        await b.close()
+
+    run(main())
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        rec = Recorder()
+        b = Batcher([runner], limits(), rec)
+        b.start()
+        loop = asyncio.get_running_loop()
+        blocker = submit(b, "block")
+        await runner.started.wait()
+        expired = submit(b, "late", deadline=loop.time() - 1)  # already past when its batch forms
+        fresh = submit(b, "fresh", deadline=loop.time() + 60)
+        await until(lambda: b.depth == 2)
+        runner.gate.set()
+        await asyncio.gather(blocker, fresh)
+        with pytest.raises(DeadlineExpired):
+            await expired
+        assert runner.batches == [["block"], ["fresh"]]
+        assert rec.drops["deadline_exceeded"] == 1
+        await b.close()
+
+    run(main())
+
+
+def test_a_failing_batch_fails_only_its_own_requests_and_the_runner_keeps_serving() -> None:
+    async def main() -> None:
+        runner = FakeRunner(fail_on="bad")
+        runner.gate.set()
+        b = Batcher([runner], limits(max_batch_size=1))
+        b.start()
+        with pytest.raises(BatchFailed, match="RuntimeError: boom"):
+            await b.submit("bad", sequences=1, length=1, group="g")
+        ok = await b.submit("good", sequences=1, length=1, group="g")
+        assert ok.result == ("done", "good")
+        await b.close()
+
+    run(main())
+
+
+def test_a_runner_returning_the_wrong_number_of_results_fails_the_batch() -> None:
+    async def main() -> None:
+        async def short(items: list[object]) -> list[object]:
+            return items[:-1]
+
+        b = Batcher([short], limits())
+        b.start()
+        with pytest.raises(BatchFailed, match="0 results for 1 requests"):
+            await b.submit("x", sequences=1, length=1, group="g")
+        await b.close()
+
+    run(main())
+
+
+def test_two_runners_compute_two_batches_at_once() -> None:
+    async def main() -> None:
+        r1, r2 = FakeRunner(), FakeRunner()
+        b = Batcher([r1, r2], limits(max_batch_size=1))
+        b.start()
+        f1, f2 = submit(b, 1), submit(b, 2)
+        await r1.started.wait()
+        await r2.started.wait()  # both busy at the same time
+        r1.gate.set()
+        r2.gate.set()
+        await asyncio.gather(f1, f2)
+        assert sorted(r1.batches + r2.batches) == [[1], [2]]
+        await b.close()
+
+    run(main())
+
+
+def test_drain_runs_queued_work_at_once_and_then_refuses_new_requests() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        b = Batcher([runner], limits(max_queue_delay_s=3600))
+        b.start()
+        queued = [submit(b, i) for i in range(3)]
+        await until(lambda: b.depth == 3)
+        assert await b.drain(5) is True
+        assert [f.result().result for f in queued] == [("done", i) for i in range(3)]
+        with pytest.raises(ShuttingDown):
+            await b.submit("late", sequences=1, length=1, group="g")
+
+    run(main())
+
+
+def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
+    async def main() -> None:
+        runner = FakeRunner()  # never opens
+        b = Batcher([runner], limits(max_batch_size=1))
+        b.start()
+        stuck, waiting = submit(b, "stuck"), submit(b, "waiting")
+        await runner.started.wait()
+        assert await b.drain(0.05) is False
+        for f in (stuck, waiting):
+            with pytest.raises(ShuttingDown):
+                await f
+
+    run(main())

@@ -1,0 +1,85 @@
+"""The client's codec: numpy <-> protobuf tensors and requests, without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attnserve import Request, decode_tensor, encode_tensor
+from attnserve._codec import (
+    bfloat16_bits_to_float32,
+    decode_response,
+    encode_request,
+    float32_to_bfloat16_bits,
+)
+from attnserve.v1 import attention_pb2 as pb
+
+
+@pytest.mark.parametrize(
+    ("array", "wire"),
+    [
+        (np.arange(12, dtype=np.float32).reshape(3, 4), pb.DATA_TYPE_FP32),
+        (np.arange(6, dtype=np.float16).reshape(2, 3), pb.DATA_TYPE_FP16),
+        (np.array([[True, False, True]]), pb.DATA_TYPE_BOOL),
+        (np.array([1, -2, 3], dtype=np.int32), pb.DATA_TYPE_INT32),
+        (np.array([2**40, -1], dtype=np.int64), pb.DATA_TYPE_INT64),
+    ],
+)
+def test_tensors_round_trip_with_dtype_shape_and_little_endian_bytes(array: np.ndarray, wire: int) -> None:
+    t = encode_tensor(array, "x")
+    assert t.dtype == wire
+    assert list(t.shape) == list(array.shape)
+    assert t.data == array.astype(array.dtype.newbyteorder("<")).tobytes()
+    np.testing.assert_array_equal(decode_tensor(t), array)
+
+
+def test_big_endian_input_is_sent_little_endian() -> None:
+    array = np.arange(4, dtype=">f4")
+    t = encode_tensor(array, "x")
+    np.testing.assert_array_equal(np.frombuffer(t.data, "<f4"), array)
+
+
+def test_bfloat16_rounds_like_torch_and_decodes_exactly() -> None:
+    values = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
+    values[:4] = [0.0, -0.0, np.inf, -np.inf]
+    bits = float32_to_bfloat16_bits(values)
+    expected = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bits, expected)
+    t = encode_tensor(values, "x", cast="bfloat16")
+    assert t.dtype == pb.DATA_TYPE_BF16 and len(t.data) == 2 * values.size
+    np.testing.assert_array_equal(decode_tensor(t), bfloat16_bits_to_float32(expected))
+    assert np.isnan(bfloat16_bits_to_float32(float32_to_bfloat16_bits(np.array([np.nan], np.float32))))[0]
+
+
+def test_cast_to_float16() -> None:
+    t = encode_tensor(np.ones((2, 2)), "x", cast="float16")
+    assert t.dtype == pb.DATA_TYPE_FP16
+    np.testing.assert_array_equal(decode_tensor(t), np.ones((2, 2), np.float16))
+
+
+def test_unsupported_dtype_names_the_field() -> None:
+    with pytest.raises(ValueError, match="query: unsupported dtype complex64"):
+        encode_tensor(np.zeros(2, np.complex64), "query")
+
+
+def test_decode_rejects_a_wrong_byte_length() -> None:
+    t = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[2, 2], data=b"\0" * 12)
+    with pytest.raises(ValueError, match="expected 16 bytes for shape \\[2, 2\\], got 12"):
+        decode_tensor(t, "output")
+
+
+def test_request_encoding_sends_average_weights_only_with_need_weights() -> None:
+    q = np.zeros((3, 4), np.float32)
+    assert encode_request(Request(query=q)).average_weights is False
+    msg = encode_request(Request(query=q, need_weights=True, key_lengths=[2], causal=True, request_id="r1"))
+    assert msg.average_weights and msg.need_weights and msg.causal and msg.request_id == "r1"
+    assert msg.key_lengths.dtype == pb.DATA_TYPE_INT64 and not msg.HasField("key_padding_mask")
+
+
+def test_in_band_stream_errors_decode_to_an_error_result() -> None:
+    msg = pb.AttendResponse(request_id="7", error=pb.Status(code=3, message="query.shape: bad"))
+    result = decode_response(msg)
+    assert result.output is None and result.request_id == "7"
+    assert result.error is not None and result.error.code.name == "INVALID_ARGUMENT"
+    with pytest.raises(type(result.error)):
+        result.raise_for_error()

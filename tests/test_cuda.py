@@ -1,0 +1,69 @@
+"""CUDA: the same server on a GPU. Skipped cleanly where torch sees no CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import model, running, settings
+
+from attnserve import Client
+from attnserve_server.compute.weights import random_projections
+from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.domain import AttentionRequest
+from attnserve_server.model import spec_from_settings
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+E, H = 64, 8
+
+
+def rand(*shape: int) -> np.ndarray:
+    return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+def reference(q: np.ndarray, lengths: list[int], causal: bool) -> np.ndarray:
+    """torch.nn.MultiheadAttention on the CPU with the model's seeded weights (seed 0)."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    t = torch.from_numpy(q)
+    padding = torch.arange(q.shape[1])[None, :] >= torch.tensor(lengths)[:, None]
+    mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).triu(1) if causal else None
+    with torch.no_grad():
+        return mha(t, t, t, key_padding_mask=padding, attn_mask=mask, need_weights=False)[0].numpy()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("float16", 2e-2), ("bfloat16", 6e-2)])
+def test_cuda_model_matches_the_cpu_reference(dtype: str, tol: float) -> None:
+    m = model(embed_dim=E, num_heads=H, dtype=dtype, device=("cuda",))
+    q = rand(3, 17, E)
+    with running(settings(m)) as handle, Client(handle.target) as c:
+        info = c.model()
+        got = c.attend(q, key_lengths=[17, 9, 1], causal=True, dtype=None if dtype == "float32" else dtype)
+        weights = c.attend(q, need_weights=True, dtype=None if dtype == "float32" else dtype).attention_weights
+        memory = handle.sample("attnserve_device_memory_allocated_bytes", device="cuda:0")
+    assert info.devices == ("cuda:0",)
+    assert float(np.abs(got.output - reference(q, [17, 9, 1], True)).max()) <= tol
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=tol)
+    assert memory > 0
+
+
+def test_cuda_worker_pads_mixed_lengths_through_pinned_buffers() -> None:
+    spec = spec_from_settings(model(embed_dim=E, num_heads=H))
+    worker = DeviceWorker(spec, random_projections(spec, 0), torch.device("cuda", 0))
+    requests = [
+        AttentionRequest(torch.from_numpy(rand(1, n, E)), None, None, None, True, True, False, unbatched=False)
+        for n in (5, 12, 3)
+    ]
+    report = worker.run(requests)
+    cpu = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+    for request, result in zip(requests, report.results, strict=True):
+        alone = cpu.run([request]).results[0]
+        assert result.output.device.type == "cpu" and result.output.shape == alone.output.shape
+        assert torch.allclose(result.output, alone.output, atol=1e-4)
+        assert torch.allclose(result.weights, alone.weights, atol=1e-4)
+    assert report.results[0].output.is_pinned() is False  # copied out of the reused pinned buffer
+    worker.close()
+    cpu.close()

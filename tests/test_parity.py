@@ -1,0 +1,202 @@
+"""Numerical parity with torch.nn.MultiheadAttention through the real server and client (fp32, <= 1e-5)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from attnserve import Client
+from attnserve_server.settings import WeightsSettings
+from conftest import Running, model, running, settings
+from safetensors.torch import save_file
+
+E, H = 32, 4
+TOL = 1e-5
+
+
+def random_mha(seed: int, **kw) -> torch.nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=True, **kw).eval()
+    with torch.no_grad():
+        for p in mha.parameters():  # non-zero biases, so they are exercised too
+            p.normal_(0, 0.3)
+    return mha
+
+
+def write(tmp: Path, name: str, state: dict[str, torch.Tensor]) -> str:
+    path = tmp / f"{name}.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def parity(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Running, dict[str, torch.nn.MultiheadAttention]]]:
+    tmp = tmp_path_factory.mktemp("weights")
+    refs = {
+        "self": random_mha(1),
+        "cross": random_mha(2, kdim=24, vdim=40),
+        "nobias": random_mha(3, bias=False),
+    }
+    models = [
+        model(
+            name,
+            embed_dim=E,
+            num_heads=H,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=m.in_proj_bias is not None,
+            weights=WeightsSettings(format="torch", path=write(tmp, name, m.state_dict())),
+        )
+        for name, m in refs.items()
+    ]
+    # The same weights as the "self" model, stored as a Hugging Face BERT attention block.
+    ref = refs["self"]
+    w, b = ref.in_proj_weight.chunk(3), ref.in_proj_bias.chunk(3)
+    prefix = "bert.encoder.layer.0.attention"
+    bert = {f"{prefix}.self.{n}.weight": w[i] for i, n in enumerate(("query", "key", "value"))}
+    bert |= {f"{prefix}.self.{n}.bias": b[i] for i, n in enumerate(("query", "key", "value"))}
+    bert |= {
+        f"{prefix}.output.dense.weight": ref.out_proj.weight,
+        f"{prefix}.output.dense.bias": ref.out_proj.bias,
+    }
+    models.append(
+        model(
+            "bert",
+            embed_dim=E,
+            num_heads=H,
+            weights=WeightsSettings(format="bert", path=write(tmp, "bert", bert), prefix=prefix),
+        )
+    )
+    with running(settings(*models)) as handle:
+        yield handle, refs
+
+
+def rand(*shape: int) -> np.ndarray:
+    return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+def reference(mha, q, k, v, *, causal=False, lengths=None, mask=None, need_weights=False, average=True):
+    q, k, v = (torch.from_numpy(np.asarray(a)) for a in (q, k, v))
+    s = k.shape[1]
+    padding = None
+    if lengths is not None:
+        padding = torch.arange(s)[None, :] >= torch.tensor(lengths)[:, None]
+    if mask is not None:
+        padding = torch.from_numpy(mask)
+    attn_mask = torch.ones(q.shape[1], s, dtype=torch.bool).triu(1) if causal else None
+    with torch.no_grad():
+        y, a = mha(
+            q,
+            k,
+            v,
+            key_padding_mask=padding,
+            attn_mask=attn_mask,
+            need_weights=need_weights,
+            average_attn_weights=average,
+        )
+    return y.numpy(), None if a is None else a.numpy()
+
+
+def close(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.shape == expected.shape
+    assert float(np.abs(actual - expected).max()) <= TOL
+
+
+@pytest.mark.parametrize("name", ["self", "nobias", "bert"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention(parity, name: str, causal: bool) -> None:
+    handle, refs = parity
+    x = rand(3, 7, E)
+    with Client(handle.target) as c:
+        got = c.attend(x, model=name, causal=causal)
+    close(got.output, reference(refs["self" if name == "bert" else name], x, x, x, causal=causal)[0])
+
+
+def test_self_attention_with_key_lengths_and_weights_per_head(parity) -> None:
+    handle, refs = parity
+    x = rand(3, 9, E)
+    with Client(handle.target) as c:
+        got = c.attend(x, model="self", key_lengths=[9, 4, 1], causal=True, need_weights=True, average_weights=False)
+    y, a = reference(refs["self"], x, x, x, causal=True, lengths=[9, 4, 1], need_weights=True, average=False)
+    close(got.output, y)
+    close(got.attention_weights, a)
+    assert got.attention_weights.shape == (3, H, 9, 9)
+
+
+def test_boolean_key_padding_mask_and_averaged_weights(parity) -> None:
+    handle, refs = parity
+    x = rand(2, 6, E)
+    mask = np.zeros((2, 6), bool)
+    mask[0, [1, 4]] = True
+    mask[1, 5] = True
+    with Client(handle.target) as c:
+        got = c.attend(x, model="self", key_padding_mask=mask, need_weights=True)
+    y, a = reference(refs["self"], x, x, x, mask=mask, need_weights=True, average=True)
+    close(got.output, y)
+    close(got.attention_weights, a)
+
+
+def test_cross_attention_with_kdim_and_vdim(parity) -> None:
+    handle, refs = parity
+    q, k, v = rand(2, 5, E), rand(2, 11, 24), rand(2, 11, 40)
+    with Client(handle.target) as c:
+        got = c.attend(q, key=k, value=v, model="cross", key_lengths=[11, 3], need_weights=True)
+    y, a = reference(refs["cross"], q, k, v, lengths=[11, 3], need_weights=True)
+    close(got.output, y)
+    close(got.attention_weights, a)
+
+
+def test_cross_attention_with_one_key_value_sequence_and_an_unbatched_query(parity) -> None:
+    handle, refs = parity
+    q, kv = rand(4, E), rand(10, E)
+    with Client(handle.target) as c:
+        got = c.attend(q, kv, model="self", causal=True)
+    y, _ = reference(refs["self"], q[None], kv[None], kv[None], causal=True)
+    close(got.output, y[0])
+
+
+def test_bare_operation_matches_scaled_dot_product_attention(default_server: Running) -> None:
+    q, k, v = rand(2, 5, 32), rand(2, 8, 32), rand(2, 8, 16)
+    with Client(default_server.target) as c:
+        got = c.attend(q, key=k, value=v, model="bare", key_lengths=[8, 2], need_weights=True, average_weights=False)
+    tq, tk, tv = (torch.from_numpy(a).unflatten(-1, (4, -1)).transpose(1, 2) for a in (q, k, v))
+    allowed = (torch.arange(8)[None, :] < torch.tensor([8, 2])[:, None])[:, None, None, :]
+    expected = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=allowed).transpose(1, 2).flatten(2)
+    weights = torch.softmax((tq @ tk.transpose(-2, -1) / np.sqrt(8)).masked_fill(~allowed, -torch.inf), -1)
+    close(got.output, expected.numpy())
+    close(got.attention_weights, weights.numpy())
+
+
+def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) -> None:
+    """Three requests of different L and S, padded into one batch (max_batch_size=3 closes it)."""
+    mha = random_mha(4)
+    tmp = Path(parity[0].server.settings.models[0].weights.path).parent
+    m = model(
+        "mixed",
+        embed_dim=E,
+        num_heads=H,
+        max_batch_size=3,
+        max_queue_delay_ms=60_000,
+        weights=WeightsSettings(format="torch", path=write(tmp, "mixed", mha.state_dict())),
+    )
+    inputs = [(rand(1, 3, E), rand(1, 5, E)), (rand(1, 8, E), rand(1, 2, E)), (rand(1, 6, E), rand(1, 9, E))]
+    with running(settings(m)) as handle, Client(handle.target) as c:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(c.attend, q, kv, causal=True, need_weights=True) for q, kv in inputs]
+            results = [f.result(timeout=60) for f in futures]
+        padding = handle.sample("attnserve_batch_padding_ratio_sum", model="mixed")
+    for (q, kv), got in zip(inputs, results, strict=True):
+        assert got.timing.batch_size == 3
+        y, a = reference(mha, q, kv, kv, causal=True, need_weights=True)
+        close(got.output, y)
+        close(got.attention_weights, a)
+    # (3+5 + 8+2 + 6+9) real positions of 3 x (8+9) padded ones.
+    assert padding == pytest.approx(1 - 33 / 51)

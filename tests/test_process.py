@@ -1,0 +1,228 @@
+"""The command line and the process: SIGTERM drain, the torch-free client, infer, bench, codegen drift."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from attnserve import AttnServeError, Client
+from conftest import Running
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = re.compile(r"attnserve ready grpc=\S+:(\d+) metrics=\S+:(\d+)")
+pytestmark = pytest.mark.slow
+
+
+class ServerProcess:
+    def __init__(self, *flags: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "attnserve_server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *flags,
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if match := READY.search(line):
+                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
+                return
+        raise AssertionError(f"server exited {self.proc.wait()}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def sample(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+
+@pytest.fixture
+def server_process() -> Iterator[list[ServerProcess]]:
+    started: list[ServerProcess] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) -> None:
+    # Batches wait a minute for company, so the requests are still queued when SIGTERM lands.
+    server = ServerProcess(
+        "--embed-dim",
+        "32",
+        "--num-heads",
+        "4",
+        "--max-queue-delay-ms",
+        "60000",
+        "--grace-s",
+        "20",
+        "--device",
+        "cpu",
+    )
+    server_process.append(server)
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    with Client(server.target, timeout_s=60) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
+        accepted = [pool.submit(c.attend, x) for _ in range(6)]
+        deadline = 200
+        while server.sample("attnserve_queue_depth", model="default") < 6:
+            deadline -= 1
+            assert deadline > 0, "requests never queued"
+            concurrent.futures.wait(accepted, timeout=0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        results = [f.result(timeout=60) for f in accepted]
+        assert [r.output.shape for r in results] == [(5, 32)] * 6
+        assert all(r.timing.batch_size == 6 for r in results)  # drained as one batch, at once
+        assert server.proc.wait(timeout=30) == 0
+        with pytest.raises(AttnServeError) as err:
+            c.attend(x, timeout_s=2)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in server.proc.stderr.read()
+
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, Block())
+import numpy as np
+import attnserve
+from attnserve import Client
+with Client(sys.argv[1], timeout_s=30) as c:
+    r = c.attend(np.ones((3, 32), np.float32), dtype="bfloat16", model="half")
+assert "torch" not in sys.modules
+print("ok", r.output.shape, r.output.dtype)
+"""
+
+
+def test_the_client_imports_and_works_with_torch_blocked(default_server: Running) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH, default_server.target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok (3, 32) float32"
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "attnserve_server", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_path: Path) -> None:
+    out = tmp_path / "y.npy"
+    r = run_cli(
+        "infer",
+        "--target",
+        default_server.target,
+        "--model",
+        "cross",
+        "--batch",
+        "2",
+        "--seq-len",
+        "5",
+        "--kv-len",
+        "7",
+        "--need-weights",
+        "--key-lengths",
+        "7,3",
+        "--output",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "output: shape [2, 5, 32] float32" in r.stdout
+    assert "attention_weights: shape [2, 4, 5, 7] float32" in r.stdout
+    assert re.search(r"timing: queue [\d.]+ ms +compute [\d.]+ ms", r.stdout)
+    assert np.load(out).shape == (2, 5, 32)
+    bad = run_cli("infer", "--target", default_server.target, "--model", "nope")
+    assert bad.returncode == 1 and "NOT_FOUND: model: no model named 'nope'" in bad.stderr
+
+
+def test_bench_prints_a_table_with_the_in_process_ratio(default_server: Running, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    r = run_cli(
+        "bench",
+        "--target",
+        default_server.target,
+        "--model",
+        "default",
+        "--concurrency",
+        "1,4",
+        "--duration-s",
+        "0.5",
+        "--warmup-s",
+        "0.2",
+        "--processes",
+        "2",
+        "--seq-len",
+        "8",
+        "--inprocess-s",
+        "0.3",
+        "--json",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"conc +req/s +p50 ms +p90 ms +p99 ms +batch +in-proc req/s +ratio", r.stdout)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["concurrency"] for row in rows] == [1, 4]
+    assert all(row["requests"] > 0 and row["errors"] == 0 and row["ratio"] > 0 for row in rows)
+
+
+def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) -> None:
+    r = run_cli("serve", "--num-heads", "3", "--metrics-port", "-1")
+    assert r.returncode == 2 and "embed_dim: 256 is not divisible by num_heads 3" in r.stderr
+    missing = tmp_path / "none.safetensors"
+    r = run_cli("serve", "--weights", str(missing), "--port", "0", "--metrics-port", "-1", "--device", "cpu")
+    assert r.returncode == 2 and f"weights file {missing}: cannot read" in r.stderr
+
+
+def test_help_lists_every_setting_with_its_environment_variable() -> None:
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0
+    for flag, env in (
+        ("--max-queue-delay-ms", "ATTNSERVE_MAX_QUEUE_DELAY_MS"),
+        ("--device", "ATTNSERVE_DEVICE"),
+    ):
+        assert flag in r.stdout and env in r.stdout
+
+
+def test_generated_protobuf_code_matches_the_proto() -> None:
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gen_proto.sh"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,470 @@
+"""The real server on 127.0.0.1:0 and the real clients: behaviour users rely on."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from attnserve import AsyncClient, AttnServeError, Client, Request
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_server.compute.worker import DeviceWorker
+from conftest import Running, model, running, settings
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+E = 32
+
+
+def x(*shape: int, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+
+
+def fp32(a: np.ndarray, shape: list[int] | None = None, dtype: int = pb.DATA_TYPE_FP32) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype, shape=shape if shape is not None else a.shape, data=a.tobytes())
+
+
+# -- discovery, health, reflection ----------------------------------------------------------
+
+
+def test_health_for_the_server_the_service_and_each_model(default_server: Running) -> None:
+    with Client(default_server.target) as c:
+        assert c.health() == "SERVING"
+        assert c.health("attnserve.v1.AttentionService") == "SERVING"
+        assert c.health("bare") == "SERVING"
+        with pytest.raises(AttnServeError) as err:
+            c.health("no-such-model")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_model_listing_and_metadata(default_server: Running) -> None:
+    with Client(default_server.target) as c:
+        models = {m.name: m for m in c.models()}
+        assert list(models) == ["default", "bare", "cross", "half"]
+        cross = c.model("cross")
+        first = c.model()  # empty name: the first configured model
+    assert first.name == "default"
+    assert (cross.kind, cross.embed_dim, cross.num_heads, cross.kdim, cross.vdim) == ("mha", 32, 4, 24, 40)
+    assert cross.output_dim == 32 and models["bare"].output_dim == 16 and models["bare"].kind == "sdpa"
+    assert models["half"].dtype == "bfloat16" and cross.devices == ("cpu",) and cross.ready
+    assert models["default"].max_query_len == 128 and models["default"].max_batch_size == 64
+
+
+def test_server_reflection_lists_the_services(default_server: Running) -> None:
+    with grpc.insecure_channel(default_server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"attnserve.v1.AttentionService", "grpc.health.v1.Health"} <= names
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def test_unbatched_and_batched_queries_keep_their_shape(default_server: Running) -> None:
+    with Client(default_server.target) as c:
+        one = c.attend(x(5, E), need_weights=True, average_weights=False)
+        many = c.attend(x(2, 5, E), need_weights=True)
+    assert one.output.shape == (5, E) and one.attention_weights.shape == (4, 5, 5)
+    assert many.output.shape == (2, 5, E) and many.attention_weights.shape == (2, 5, 5)
+    np.testing.assert_allclose(one.attention_weights.sum(-1), 1.0, atol=1e-5)
+    t = one.timing
+    assert t.batch_size >= 1 and t.batch_sequences >= 1 and 0 < t.compute_s <= t.server_s and t.queue_s >= 0
+
+
+def test_bfloat16_model_through_the_client(default_server: Running) -> None:
+    q = x(3, E)
+    with Client(default_server.target) as c:
+        got = c.attend(q, model="half", dtype="bfloat16")
+        with pytest.raises(AttnServeError, match=r"query.dtype: expected BF16 \(the dtype of model 'half'\), got FP32"):
+            c.attend(q, model="half")
+    assert got.output.dtype == np.float32 and got.output.shape == (3, E)
+    # Same seeded weights as a float32 model of the same shape: bf16 answers within bf16 precision.
+    with Client(default_server.target) as c:
+        ref = c.attend(q)  # 'default' has the same shape and seed
+    np.testing.assert_allclose(got.output, ref.output, atol=0.05)
+
+
+def test_async_client_has_the_same_methods(default_server: Running) -> None:
+    async def main() -> None:
+        async with AsyncClient(default_server.target, timeout_s=30) as c:
+            assert await c.health() == "SERVING"
+            assert [m.name for m in await c.models()] == ["default", "bare", "cross", "half"]
+            assert (await c.model("bare")).vdim == 16
+            result = await c.attend(x(4, E), causal=True)
+            assert result.output.shape == (4, E)
+            with pytest.raises(AttnServeError) as err:
+                await c.attend(x(4, E), model="nope")
+            assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def base(**fields) -> pb.AttendRequest:
+    msg = pb.AttendRequest(model="default", query=fp32(x(2, 4, E)))
+    for name, value in fields.items():
+        if isinstance(value, pb.Tensor):
+            getattr(msg, name).CopyFrom(value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def bools(a: np.ndarray) -> pb.Tensor:
+    return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=a.shape, data=a.astype(np.uint8).tobytes())
+
+
+BAD = [
+    (pb.AttendRequest(model="default"), "query: required"),
+    (
+        base(query=fp32(x(2, 4, E).astype(np.float16), dtype=pb.DATA_TYPE_FP16)),
+        "query.dtype: expected FP32 (the dtype of model 'default'), got FP16",
+    ),
+    (
+        base(query=pb.Tensor(dtype=99, shape=[4, E], data=b"")),
+        "query.dtype: expected FP32 (the dtype of model 'default'), got <99>",
+    ),
+    (base(query=fp32(x(4 * E), [4 * E])), "query.shape: expected [L, E] or [B, L, E], got [128]"),
+    (base(query=fp32(x(4, E), [0, 4, E])), "query.shape: dimensions must be positive, got [0, 4, 32]"),
+    (
+        base(query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4, E], data=b"\0" * 100)),
+        "query.data: expected 512 bytes for shape [4, 32] FP32, got 100",
+    ),
+    (base(query=fp32(x(4, 16))), "query.shape[-1]: expected embed_dim 32, got 16 (shape [4, 16])"),
+    (
+        base(query=fp32(x(129, E))),
+        "query.shape: sequence length 129 exceeds model 'default' max_query_len 128",
+    ),
+    (base(query=fp32(x(65, 1, E))), "query.shape: 65 sequences exceed model 'default' max_batch_size 64"),
+    (
+        base(key_value=fp32(x(2, 97, E))),
+        "key_value.shape: key sequence length 97 exceeds model 'default' max_key_len 96",
+    ),
+    (base(key_value=fp32(x(3, 5, E))), "key_value.shape: expected 2 sequences like query, got 3"),
+    (base(key_value=fp32(x(5, E))), "key_value.shape: expected 3 dimensions, got [5, 32]"),
+    (
+        base(key_padding_mask=bools(np.zeros((2, 5), bool))),
+        "key_padding_mask.shape: expected [B, S] = [2, 4], got [2, 5]",
+    ),
+    (base(key_padding_mask=fp32(x(2, 4))), "key_padding_mask.dtype: expected BOOL, got FP32"),
+    (
+        base(key_padding_mask=pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=[2, 4], data=bytes([2] * 8))),
+        "key_padding_mask.data: BOOL elements must be bytes 0 or 1",
+    ),
+    (
+        base(key_padding_mask=bools(np.array([[0, 0, 0, 0], [1, 1, 1, 1]]))),
+        "key_padding_mask: sequence 1 masks every key; at least one must stay visible",
+    ),
+    (
+        base(causal=True, key_padding_mask=bools(np.array([[0, 0, 0, 0], [1, 0, 0, 0]]))),
+        "key_padding_mask: with causal=true key 0 must stay visible",
+    ),
+    (
+        base(key_lengths=pb.Tensor(dtype=pb.DATA_TYPE_INT64, shape=[2], data=np.array([0, 2], np.int64).tobytes())),
+        "key_lengths: expected lengths in 1..4 (the key sequence length), got 0",
+    ),
+    (
+        base(key_lengths=pb.Tensor(dtype=pb.DATA_TYPE_INT32, shape=[3], data=np.array([1, 2, 3], np.int32).tobytes())),
+        "key_lengths.shape: expected one length per sequence ([2]), got [3]",
+    ),
+    (
+        base(key_lengths=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[2], data=x(2).tobytes())),
+        "key_lengths.dtype: expected INT32 or INT64, got FP32",
+    ),
+    (
+        base(
+            key_padding_mask=bools(np.zeros((2, 4), bool)),
+            key_lengths=pb.Tensor(dtype=pb.DATA_TYPE_INT64, shape=[2], data=np.array([1, 1], np.int64).tobytes()),
+        ),
+        "key_padding_mask, key_lengths: send at most one of the two",
+    ),
+    (base(average_weights=True), "average_weights: only meaningful with need_weights=true"),
+    (
+        base(key_value=fp32(x(2, 4, E)), key=fp32(x(2, 4, E))),
+        "key_value: send either key_value or key and value, not both",
+    ),
+    (base(key=fp32(x(2, 4, E))), "value: key and value go together (or neither, for self attention)"),
+]
+
+
+@pytest.mark.parametrize(("msg", "message"), BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_invalid_argument_naming_the_field(default_server: Running, msg, message: str) -> None:
+    with grpc.insecure_channel(default_server.target) as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.AttentionServiceStub(channel).Attend(msg, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("model_name", "fields", "message"),
+    [
+        (
+            "bare",
+            {"key_value": x(4, E)},
+            "key_value: model 'bare' is the bare operation (sdpa): send key and value",
+        ),
+        ("bare", {"key": x(4, E)}, "value: required by model 'bare' (sdpa takes query, key and value)"),
+        (
+            "cross",
+            {},
+            "key, value: required by model 'cross': its kdim 24 and vdim 40 differ from embed_dim 32",
+        ),
+        (
+            "cross",
+            {"key_value": x(4, 24)},
+            "key_value: model 'cross' has kdim 24 != vdim 40; send key and value",
+        ),
+        (
+            "cross",
+            {"key": x(4, 24), "value": x(5, 40)},
+            "value.shape: expected [1, 4] sequences and positions like key, got [1, 5]",
+        ),
+        ("cross", {"key": x(4, 23), "value": x(4, 40)}, "key.shape[-1]: expected kdim 24, got 23"),
+    ],
+)
+def test_bad_input_for_each_model_kind(default_server: Running, model_name: str, fields: dict, message: str) -> None:
+    with Client(default_server.target) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x(4, E), model=model_name, **fields)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.message
+
+
+def test_bad_input_never_reaches_a_worker_and_the_server_keeps_serving(default_server: Running) -> None:
+    tokens = default_server.sample("attnserve_tokens_total", model="default")
+    invalid = default_server.sample(
+        "attnserve_requests_total", model="default", method="Attend", code="INVALID_ARGUMENT"
+    )
+    with grpc.insecure_channel(default_server.target) as channel:
+        stub = pb_grpc.AttentionServiceStub(channel)
+        for msg, _ in BAD:
+            with pytest.raises(grpc.RpcError):
+                stub.Attend(msg, timeout=30)
+    assert default_server.sample("attnserve_tokens_total", model="default") == tokens
+    after = default_server.sample("attnserve_requests_total", model="default", method="Attend", code="INVALID_ARGUMENT")
+    assert after - invalid == len(BAD)
+    with Client(default_server.target) as c:
+        assert c.attend(x(3, E)).output.shape == (3, E)
+
+
+def test_unknown_model_is_not_found(default_server: Running) -> None:
+    with Client(default_server.target) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x(3, E), model="gpt")
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert "no model named 'gpt'; served: bare, cross, default, half" in err.value.message
+
+
+def test_messages_over_the_size_limit_are_refused() -> None:
+    limited = settings(model(embed_dim=E, num_heads=4), max_message_bytes=4096)
+    with (
+        running(limited) as handle,
+        Client(handle.target, max_message_bytes=1 << 20) as c,
+        pytest.raises(AttnServeError) as err,
+    ):
+        c.attend(x(64, E))  # 8 KiB of query
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+def stream_requests() -> list[Request]:
+    return [
+        Request(query=x(3, E), request_id="a"),
+        Request(query=x(3, 16), request_id="bad"),
+        Request(query=x(5, E), causal=True),  # gets id "2": its index
+        Request(query=x(4, E), model="bare", key=x(6, E), value=x(6, 16), request_id="d"),
+    ]
+
+
+def check_stream(results) -> None:
+    by_id = {r.request_id: r for r in results}
+    assert set(by_id) == {"a", "bad", "2", "d"}
+    assert by_id["a"].output.shape == (3, E) and by_id["2"].output.shape == (5, E)
+    assert by_id["d"].output.shape == (4, 16) and by_id["d"].model == "bare"
+    error = by_id["bad"].error
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query.shape[-1]: expected embed_dim 32, got 16" in error.message
+
+
+def test_stream_answers_every_request_and_a_bad_one_does_not_end_it(default_server: Running) -> None:
+    with Client(default_server.target, timeout_s=30) as c:
+        check_stream(list(c.attend_stream(stream_requests())))
+
+
+def test_async_stream(default_server: Running) -> None:
+    async def main() -> list:
+        async with AsyncClient(default_server.target, timeout_s=30) as c:
+            return [r async for r in c.attend_stream(stream_requests())]
+
+    check_stream(asyncio.run(main()))
+
+
+def test_many_stream_requests_batch_together(default_server: Running) -> None:
+    requests = [Request(query=x(2, E), request_id=str(i)) for i in range(40)]
+    with Client(default_server.target, timeout_s=30) as c:
+        results = list(c.attend_stream(requests))
+    assert sorted(int(r.request_id) for r in results) == list(range(40))
+    assert all(r.error is None for r in results)
+
+
+# -- waiting, deadlines, cancellation, overload ----------------------------------------------
+
+
+def held() -> object:
+    """A model whose batches wait a minute for company: requests stay queued until shutdown."""
+    return settings(model(embed_dim=E, num_heads=4, max_queue_delay_ms=60_000, max_queue_size=2))
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_not_computed() -> None:
+    with running(held()) as handle:
+        with Client(handle.target) as c, pytest.raises(AttnServeError) as err:
+            c.attend(x(3, E), timeout_s=0.3)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        handle.wait_for(
+            lambda: handle.sample("attnserve_dropped_requests_total", model="default", reason="deadline_exceeded") == 1
+        )
+        assert handle.sample("attnserve_queue_depth", model="default") == 0
+        assert handle.sample("attnserve_tokens_total", model="default") == 0
+
+
+def test_a_cancelled_call_is_dropped_before_compute() -> None:
+    with running(held()) as handle:
+
+        async def main() -> None:
+            async with AsyncClient(handle.target) as c:
+                task = asyncio.ensure_future(c.attend(x(3, E)))
+                while await asyncio.to_thread(handle.sample, "attnserve_queue_depth", model="default") < 1:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(main())
+        handle.wait_for(
+            lambda: handle.sample("attnserve_dropped_requests_total", model="default", reason="cancelled") == 1
+        )
+        assert handle.sample("attnserve_queue_depth", model="default") == 0
+        assert handle.sample("attnserve_tokens_total", model="default") == 0
+
+
+def test_a_full_queue_answers_resource_exhausted_at_once_and_loses_nothing_accepted() -> None:
+    with (
+        running(held()) as handle,
+        Client(handle.target, timeout_s=60) as c,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        accepted = [pool.submit(c.attend, x(3, E)) for _ in range(2)]
+        handle.wait_for(lambda: handle.sample("attnserve_queue_depth", model="default") == 2)
+        with pytest.raises(AttnServeError) as err:
+            c.attend(x(3, E), timeout_s=5)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full (2 requests waiting)" in err.value.message
+        assert handle.sample("attnserve_dropped_requests_total", model="default", reason="queue_full") == 1
+        # A graceful stop runs what was accepted at once.
+        handle.call(handle.server.stop(10))
+        assert [f.result(timeout=30).output.shape for f in accepted] == [(3, E), (3, E)]
+
+
+class FailingWorker(DeviceWorker):
+    """Fails any batch holding a query whose first element is 1234 (a fault injected for the test)."""
+
+    def run(self, requests):
+        if any(float(r.query[0, 0, 0]) == 1234.0 for r in requests):
+            raise RuntimeError("injected fault")
+        return super().run(requests)
+
+
+def test_a_failing_batch_fails_only_its_requests_and_the_worker_keeps_serving() -> None:
+    with running(settings(model(embed_dim=E, num_heads=4, max_batch_size=1)), worker_factory=FailingWorker) as handle:
+        bad = x(3, E)
+        bad[0, 0] = 1234.0
+        with Client(handle.target, timeout_s=30) as c:
+            with pytest.raises(AttnServeError) as err:
+                c.attend(bad)
+            assert err.value.code == grpc.StatusCode.INTERNAL
+            assert "the batch failed on its worker: RuntimeError: injected fault" in err.value.message
+            assert c.attend(x(3, E)).output.shape == (3, E)
+        assert handle.sample("attnserve_batch_failures_total", model="default", device="cpu") == 1
+
+
+def test_unreachable_server_is_unavailable_and_wait_for_ready_waits_for_the_deadline() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with Client(f"127.0.0.1:{port}", timeout_s=5) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x(3, E))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    with Client(f"127.0.0.1:{port}", wait_for_ready=True) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x(3, E), timeout_s=0.3)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+METRICS = [
+    "attnserve_requests_total",
+    "attnserve_request_duration_seconds_bucket",
+    "attnserve_queue_wait_seconds_bucket",
+    "attnserve_compute_duration_seconds_bucket",
+    "attnserve_batch_requests_bucket",
+    "attnserve_batch_sequences_bucket",
+    "attnserve_batch_tokens_bucket",
+    "attnserve_batch_padding_ratio_bucket",
+    "attnserve_tokens_total",
+    "attnserve_dropped_requests_total",
+    "attnserve_queue_depth",
+    "attnserve_inflight_requests",
+    "attnserve_model_info",
+]
+
+
+def test_metrics_are_scraped_with_the_requests_counted(default_server: Running) -> None:
+    before = default_server.sample("attnserve_requests_total", model="bare", method="Attend", code="OK")
+    tokens = default_server.sample("attnserve_tokens_total", model="bare")
+    with Client(default_server.target) as c:
+        for _ in range(3):
+            c.attend(x(2, 5, E), model="bare", key=x(2, 7, E), value=x(2, 7, 16))
+    text = default_server.metrics_text()
+    for name in METRICS:
+        assert f"\n{name}{{" in text, name
+    assert default_server.sample("attnserve_requests_total", model="bare", method="Attend", code="OK") == before + 3
+    assert default_server.sample("attnserve_tokens_total", model="bare") == tokens + 30
+    assert (
+        default_server.sample("attnserve_request_duration_seconds_bucket", model="bare", method="Attend", le="10.0")
+        >= 3
+    )
+    assert default_server.sample("attnserve_model_info", model="bare", kind="sdpa", dtype="float32") == 1
+    assert default_server.sample("attnserve_inflight_requests", model="bare") == 0
+
+
+def test_promtool_finds_nothing_to_complain_about(default_server: Running) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (./dev test installs it with apt-get)")
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=default_server.metrics_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result.stdout + result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_auto_device_falls_back_to_the_cpu() -> None:
+    with (
+        running(settings(model(embed_dim=E, num_heads=4, device=("auto",)))) as handle,
+        Client(handle.target) as c,
+    ):
+        assert c.model().devices == ("cpu",)

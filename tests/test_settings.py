@@ -1,0 +1,95 @@
+"""Settings: defaults < config file < ATTNSERVE_* environment < flags, and precise errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from attnserve_server.errors import ConfigError
+from attnserve_server.settings import OPTIONS, ServerSettings, load_settings
+
+YAML = """
+port: 6000
+metrics_port: 6001
+models:
+  - name: small
+    embed_dim: 64
+    num_heads: 4
+    device: [cpu]
+    batching: {max_batch_size: 16, max_queue_delay_ms: 2.5}
+  - name: bare
+    kind: sdpa
+    embed_dim: 32
+    num_heads: 2
+    vdim: 8
+"""
+
+
+def test_defaults_serve_one_default_model() -> None:
+    s = load_settings()
+    assert s == ServerSettings()
+    assert [m.name for m in s.models] == ["default"] and s.models[0].embed_dim == 256
+
+
+def test_yaml_and_toml_files(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text(YAML)
+    s = load_settings(str(y))
+    assert (s.port, s.metrics_port) == (6000, 6001)
+    small, bare = s.models
+    assert small.batching.max_batch_size == 16 and small.batching.max_queue_delay_ms == 2.5
+    assert small.device == ("cpu",) and bare.kind == "sdpa" and bare.vdim == 8
+    t = tmp_path / "c.toml"
+    t.write_text('port = 7000\n[[models]]\nname = "t"\nembed_dim = 16\nnum_heads = 2\n[models.weights]\nseed = 3\n')
+    s = load_settings(str(t))
+    assert s.port == 7000 and s.models[0].weights.seed == 3
+
+
+def test_environment_beats_file_and_flags_beat_environment(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text(YAML)
+    env = {"ATTNSERVE_CONFIG": str(y), "ATTNSERVE_PORT": "6100", "ATTNSERVE_MAX_BATCH_SIZE": "4"}
+    s = load_settings(env=env, flags={"max_batch_size": 2, "device": "cpu,cuda:1"})
+    assert s.port == 6100
+    assert [m.batching.max_batch_size for m in s.models] == [2, 2]  # model flags apply to every model
+    assert s.models[0].device == ("cpu", "cuda:1")
+
+
+def test_every_option_has_a_flag_and_an_environment_variable() -> None:
+    assert len({o.flag for o in OPTIONS}) == len(OPTIONS)
+    assert all(o.env == "ATTNSERVE_" + o.flag.upper().replace("-", "_") for o in OPTIONS)
+
+
+def test_weights_flag_implies_torch_format() -> None:
+    s = load_settings(flags={"weights": "w.safetensors"})
+    assert s.models[0].weights.format == "torch" and s.models[0].weights.path == "w.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ATTNSERVE_NUM_HEADS": "3"}, "embed_dim: 256 is not divisible by num_heads 3"),
+        ({"ATTNSERVE_DTYPE": "float64"}, "dtype: expected one of"),
+        ({"ATTNSERVE_DEVICE": "tpu"}, "device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ({"ATTNSERVE_PORT": "many"}, "ATTNSERVE_PORT: invalid literal for int"),
+        ({"ATTNSERVE_BIAS": "maybe"}, "ATTNSERVE_BIAS: expected true or false"),
+        ({"ATTNSERVE_MAX_BATCH_TOKENS": "10"}, "cannot hold one sequence of max_query_len 4096"),
+        ({"ATTNSERVE_KIND": "sdpa", "ATTNSERVE_KDIM": "8"}, "the bare operation needs kdim == embed_dim"),
+        ({"ATTNSERVE_WEIGHTS_FORMAT": "bert"}, "weights.path: format 'bert' needs a file"),
+    ],
+)
+def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_settings(env=env)
+
+
+def test_unknown_keys_and_duplicates_in_a_file_are_errors(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("models:\n  - name: a\n    heads: 4\n")
+    with pytest.raises(ConfigError, match=r"models\[0\]\.: unknown setting 'heads'"):
+        load_settings(str(f))
+    f.write_text("models:\n  - name: a\n  - name: a\n")
+    with pytest.raises(ConfigError, match="duplicate model name"):
+        load_settings(str(f))
+    with pytest.raises(ConfigError, match="No such file"):
+        load_settings(str(tmp_path / "missing.yaml"))
