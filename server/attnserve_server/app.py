@@ -8,6 +8,7 @@ import logging
 import grpc
 import grpc.aio
 import torch
+from attnserve._channel import STREAM_LOOKAHEAD_BYTES
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,6 +60,8 @@ class AttnServer:
             options=[
                 ("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_receive_message_length", s.max_message_bytes),
+                # Large requests arrive without waiting on 64 KiB flow-control windows.
+                ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
             ]
         )
         pb_grpc.add_AttentionServiceServicer_to_server(

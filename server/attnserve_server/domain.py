@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class ModelKind(str, Enum):
+class ModelKind(StrEnum):
     MHA = "mha"  # learned projections, torch.nn.MultiheadAttention
     SDPA = "sdpa"  # the bare operation on client-supplied Q, K, V
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from attnserve_server.errors import ConfigError
 
