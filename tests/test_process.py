@@ -17,40 +17,18 @@ import grpc
 import numpy as np
 import pytest
 from attnserve import AttnServeError, Client
+from attnserve_server.cli import spawn_serve
 from conftest import Running
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"attnserve ready grpc=\S+:(\d+) metrics=\S+:(\d+)")
 pytestmark = pytest.mark.slow
 
 
 class ServerProcess:
     def __init__(self, *flags: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "attnserve_server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            *flags,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if match := READY.search(line):
-                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
-                return
-        raise AssertionError(f"server exited {self.proc.wait()}: {self.proc.stderr.read() if self.proc.stderr else ''}")
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        server = spawn_serve(*flags, stderr=subprocess.PIPE)
+        self.proc, self.target, self.metrics_port = server.proc, server.target, server.metrics_port
 
     def sample(self, name: str, **labels: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:

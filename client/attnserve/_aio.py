@@ -9,9 +9,9 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, channel_options
+from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options
 from attnserve._codec import decode_model, decode_response, encode_request
-from attnserve._errors import AttnServeError
+from attnserve._errors import translate_errors
 from attnserve._sync import _stream_ids
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
@@ -39,57 +39,41 @@ class AsyncClient:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout_s = timeout_s
-        self._wait_for_ready = wait_for_ready
-
-    def _call_args(self, timeout_s: float | None) -> dict[str, Any]:
-        return {
-            "timeout": self._timeout_s if timeout_s is None else timeout_s,
-            "wait_for_ready": self._wait_for_ready,
-        }
+        self._call_args = CallDefaults(timeout_s, wait_for_ready)
 
     async def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any
     ) -> AttendResult:
         msg = encode_request(Request(query=query, key_value=key_value, **fields))
-        try:
+        with translate_errors():
             return decode_response(await self._stub.Attend(msg, **self._call_args(timeout_s)))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
 
     async def attend_stream(
         self, requests: Iterable[Request | Mapping[str, Any]], *, timeout_s: float | None = None
     ) -> AsyncIterator[AttendResult]:
         call = self._stub.AttendStream(_stream_ids(requests), **self._call_args(timeout_s))
         try:
-            async for msg in call:
-                yield decode_response(msg)
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
+            with translate_errors():
+                async for msg in call:
+                    yield decode_response(msg)
         finally:
             call.cancel()
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        try:
+        with translate_errors():
             reply = await self._stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return [decode_model(m) for m in reply.models]
 
     async def model(self, name: str = "", *, timeout_s: float | None = None) -> ModelInfo:
-        try:
+        with translate_errors():
             reply = await self._stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return decode_model(reply)
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
-        try:
+        with translate_errors():
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s)
             )
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:

@@ -43,3 +43,14 @@ def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, ob
         }
         options.append(("grpc.service_config", json.dumps(config)))
     return options
+
+
+class CallDefaults:
+    """The per-call arguments both clients add: the default deadline and wait_for_ready."""
+
+    def __init__(self, timeout_s: float | None, wait_for_ready: bool) -> None:
+        self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
+
+    def __call__(self, timeout_s: float | None) -> dict[str, object]:
+        return {"timeout": self.timeout_s if timeout_s is None else timeout_s, "wait_for_ready": self.wait_for_ready}

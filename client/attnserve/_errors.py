@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 
 
@@ -27,3 +30,12 @@ _CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 def status_code_from_number(number: int) -> grpc.StatusCode:
     return _CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Turns a failed call's grpc.RpcError into AttnServeError (works around awaits too)."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise AttnServeError.from_rpc_error(error) from None

@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, channel_options
+from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options
 from attnserve._codec import as_request, decode_model, decode_response, encode_request
-from attnserve._errors import AttnServeError
+from attnserve._errors import translate_errors
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
@@ -51,24 +51,15 @@ class Client:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout_s = timeout_s
-        self._wait_for_ready = wait_for_ready
-
-    def _call_args(self, timeout_s: float | None) -> dict[str, Any]:
-        return {
-            "timeout": self._timeout_s if timeout_s is None else timeout_s,
-            "wait_for_ready": self._wait_for_ready,
-        }
+        self._call_args = CallDefaults(timeout_s, wait_for_ready)
 
     def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any
     ) -> AttendResult:
         """Runs one attention request; keyword fields are those of `attnserve.Request`."""
         msg = encode_request(Request(query=query, key_value=key_value, **fields))
-        try:
+        with translate_errors():
             return decode_response(self._stub.Attend(msg, **self._call_args(timeout_s)))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
 
     def attend_stream(
         self, requests: Iterable[Request | Mapping[str, Any]], *, timeout_s: float | None = None
@@ -80,33 +71,26 @@ class Client:
         """
         call = self._stub.AttendStream(_stream_ids(requests), **self._call_args(timeout_s))
         try:
-            for msg in call:
-                yield decode_response(msg)
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
+            with translate_errors():
+                for msg in call:
+                    yield decode_response(msg)
         finally:
             call.cancel()
 
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        try:
+        with translate_errors():
             reply = self._stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return [decode_model(m) for m in reply.models]
 
     def model(self, name: str = "", *, timeout_s: float | None = None) -> ModelInfo:
-        try:
+        with translate_errors():
             reply = self._stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return decode_model(reply)
 
     def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """grpc.health.v1 status of the server ("") or of one model (its name): e.g. "SERVING"."""
-        try:
+        with translate_errors():
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s))
-        except grpc.RpcError as error:
-            raise AttnServeError.from_rpc_error(error) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:

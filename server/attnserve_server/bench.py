@@ -14,7 +14,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -23,8 +22,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-
-_READY = re.compile(r"attnserve ready grpc=(\S+):(\d+)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -196,47 +193,18 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
 
 
 def _start_server(args: argparse.Namespace, max_batch_size: str) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "attnserve_server",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "-1",
-        "--kind",
-        args.kind,
-        "--embed-dim",
-        str(args.embed_dim),
-        "--num-heads",
-        str(args.num_heads),
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--max-batch-size",
-        max_batch_size,
-        "--max-batch-tokens",
-        str(args.max_batch_tokens),
-        "--max-queue-delay-ms",
-        str(args.max_queue_delay_ms),
-        "--model-name",
-        args.model,
-        "--max-queue-size",
-        "4096",
+    from attnserve_server.cli import spawn_serve
+
+    flags = [
+        *("--metrics-port", "-1", "--kind", args.kind, "--embed-dim", str(args.embed_dim)),
+        *("--num-heads", str(args.num_heads), "--dtype", args.dtype, "--device", args.device),
+        *("--max-batch-size", max_batch_size, "--max-batch-tokens", str(args.max_batch_tokens)),
+        *("--max-queue-delay-ms", str(args.max_queue_delay_ms), "--model-name", args.model or "default"),
+        *("--max-queue-size", "4096"),
+        *(("--torch-threads", str(args.torch_threads)) if args.torch_threads else ()),
     ]
-    if args.torch_threads:
-        cmd += ["--torch-threads", str(args.torch_threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = _READY.search(line)
-        if match:
-            return proc, f"{match.group(1)}:{match.group(2)}"
-    raise RuntimeError(f"the server exited with code {proc.wait()} before it was ready")
+    server = spawn_serve(*flags)
+    return server.proc, server.target
 
 
 def _stop_server(proc: subprocess.Popen) -> None:
