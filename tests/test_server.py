@@ -335,6 +335,18 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_not_computed() -> None:
         assert handle.sample("attnserve_tokens_total", model="default") == 0
 
 
+def test_a_stream_deadline_applies_to_every_request_in_it() -> None:
+    with running(held()) as handle:
+        requests = [Request(query=x(3, E)), Request(query=x(4, E))]
+        with Client(handle.target) as c, pytest.raises(AttnServeError) as err:
+            list(c.attend_stream(requests, timeout_s=0.3))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        handle.wait_for(
+            lambda: handle.sample("attnserve_dropped_requests_total", model="default", reason="deadline_exceeded") == 2
+        )
+        assert handle.sample("attnserve_tokens_total", model="default") == 0
+
+
 def test_a_cancelled_call_is_dropped_before_compute() -> None:
     with running(held()) as handle:
 

@@ -63,7 +63,7 @@ class ServerSettings:
     host: str = "0.0.0.0"
     port: int = 50051
     # 0 picks a free port; a negative port turns the metrics endpoint off.
-    metrics_port: int = 9090
+    metrics_port: int = 9095
     grace_s: float = 10.0
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
@@ -92,7 +92,7 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", "server", str, "address to bind (default 0.0.0.0)"),
     Option("port", "server", int, "gRPC port; 0 picks a free one (default 50051)"),
-    Option("metrics-port", "server", int, "Prometheus port; 0 picks a free one, -1 disables (default 9090)"),
+    Option("metrics-port", "server", int, "Prometheus port; 0 picks a free one, -1 disables (default 9095)"),
     Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),

@@ -34,8 +34,15 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             raise ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self._models))}")
         return served
 
-    async def _answer(self, msg: pb.AttendRequest, method: str, deadline_s: float | None) -> pb.AttendResponse:
+    @staticmethod
+    def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+        """The call's deadline on the event loop's clock (None: the caller set none)."""
+        remaining = context.time_remaining()
+        return None if remaining is None else asyncio.get_running_loop().time() + remaining
+
+    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None) -> pb.AttendResponse:
         """One request, start to end, with its metrics; raises ServingError (or anything unexpected)."""
+        loop = asyncio.get_running_loop()
         start = time.perf_counter()
         served = self._models.get(msg.model or self._default)
         metrics = served.metrics if served is not None else self._unknown
@@ -44,7 +51,6 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         try:
             served = self._lookup(msg.model)
             request = request_from_proto(msg, served.spec)
-            deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
             answer = await served.submit(request, deadline)
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
             fill_response(response, answer.result.output, answer.result.weights, request.unbatched)
@@ -56,7 +62,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             t.server_ns = int((time.perf_counter() - start) * 1e9)
             return response
         except asyncio.CancelledError:
-            expired = deadline_s is not None and time.perf_counter() - start >= deadline_s
+            expired = deadline is not None and loop.time() >= deadline
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except BaseException as exc:
@@ -70,15 +76,15 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
         try:
-            return await self._answer(request, "Attend", context.time_remaining())
+            return await self._answer(request, "Attend", self._deadline(context))
         except Exception as exc:
             code, message = status_of(exc)
             await context.abort(code, message)
             raise  # unreachable: abort raises
 
-    async def _answer_in_band(self, msg: pb.AttendRequest, deadline_s: float | None) -> pb.AttendResponse:
+    async def _answer_in_band(self, msg: pb.AttendRequest, deadline: float | None) -> pb.AttendResponse:
         try:
-            return await self._answer(msg, "AttendStream", deadline_s)
+            return await self._answer(msg, "AttendStream", deadline)
         except Exception as exc:
             code, message = status_of(exc)
             return pb.AttendResponse(
@@ -92,10 +98,10 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> AsyncIterator[pb.AttendResponse]:
         # Requests of one stream run concurrently (and batch together); answers go out as they finish.
         answers: asyncio.Queue = asyncio.Queue()
-        deadline_s = context.time_remaining()
+        deadline = self._deadline(context)  # the stream's, for every message in it
 
         async def answer(msg: pb.AttendRequest) -> None:
-            answers.put_nowait(await self._answer_in_band(msg, deadline_s))
+            answers.put_nowait(await self._answer_in_band(msg, deadline))
 
         async def read() -> None:
             try:
