@@ -147,34 +147,21 @@ def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_
     assert bad.returncode == 1 and "NOT_FOUND: model: no model named 'nope'" in bad.stderr
 
 
-def test_bench_prints_a_table_with_the_in_process_ratio(default_server: Running, tmp_path: Path) -> None:
+def test_bench_prints_a_table_with_the_in_process_ratio_and_the_floor(default_server: Running, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    short = ("--duration-s", "0.5", "--warmup-s", "0.2", "--processes", "2", "--inprocess-s", "0.3")
     r = run_cli(
-        "bench",
-        "--target",
-        default_server.target,
-        "--model",
-        "default",
-        "--concurrency",
-        "1,4",
-        "--duration-s",
-        "0.5",
-        "--warmup-s",
-        "0.2",
-        "--processes",
-        "2",
-        "--seq-len",
-        "8",
-        "--inprocess-s",
-        "0.3",
-        "--json",
-        str(out),
+        *("bench", "--target", default_server.target, "--model", "default", "--concurrency", "1,4"),
+        *(*short, "--seq-len", "8", "--floor", "--json", str(out)),
     )
     assert r.returncode == 0, r.stderr
     assert re.search(r"conc +req/s +p50 ms +p90 ms +p99 ms +batch +in-proc req/s +ratio", r.stdout)
     rows = json.loads(out.read_text())["rows"]
-    assert [row["concurrency"] for row in rows] == [1, 4]
-    assert all(row["requests"] > 0 and row["errors"] == 0 and row["ratio"] > 0 for row in rows)
+    served = [row for row in rows if row["server"] == default_server.target]
+    floor = [row for row in rows if row["server"].startswith("grpc floor")]
+    assert [row["concurrency"] for row in served] == [1, 4] and [row["concurrency"] for row in floor] == [1, 4]
+    assert all(row["requests"] > 0 and row["errors"] == 0 for row in rows)
+    assert all(row["ratio"] > 0 for row in served) and all(row["ratio"] is None for row in floor)
 
 
 def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) -> None:

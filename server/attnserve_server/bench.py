@@ -43,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also load a bare gRPC server that echoes the query (no queue, no compute): the transport floor",
+    )
     p.add_argument("--inprocess-s", type=float, default=3.0, help="seconds per in-process measurement (default 3)")
     g = p.add_argument_group("server started by bench (ignored with --target)")
     g.add_argument("--kind", default="mha")
@@ -54,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-batch-tokens", type=int, default=65536)
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0)
     g.add_argument("--torch-threads", type=int)
+
+
+FLOOR = "grpc floor (echo)"
 
 
 @dataclass
@@ -231,6 +239,54 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+# -- the transport floor --------------------------------------------------------------------
+
+
+def _echo_server(metadata: bytes, ports: Any) -> None:
+    """A bare grpc.aio server: Attend answers with the query as output; GetModel with `metadata`."""
+    import grpc.aio
+    from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, STREAM_LOOKAHEAD_BYTES
+    from attnserve.v1 import attention_pb2 as pb
+    from attnserve.v1 import attention_pb2_grpc as pb_grpc
+
+    class Echo(pb_grpc.AttentionServiceServicer):
+        async def Attend(self, request: pb.AttendRequest, context: Any) -> pb.AttendResponse:
+            return pb.AttendResponse(output=request.query, timing=pb.Timing(batch_size=1, batch_sequences=1))
+
+        async def GetModel(self, request: pb.GetModelRequest, context: Any) -> pb.ModelMetadata:
+            return pb.ModelMetadata.FromString(metadata)
+
+    async def main() -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                ("grpc.http2.lookahead_bytes", STREAM_LOOKAHEAD_BYTES),
+            ]
+        )
+        pb_grpc.add_AttentionServiceServicer_to_server(Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _start_echo(target: str, model: str) -> tuple[Any, str]:
+    import grpc
+    from attnserve.v1 import attention_pb2 as pb
+    from attnserve.v1 import attention_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        metadata = pb_grpc.AttentionServiceStub(channel).GetModel(pb.GetModelRequest(model=model), timeout=60)
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_echo_server, args=(metadata.SerializeToString(), ports), daemon=True)
+    proc.start()
+    return proc, f"127.0.0.1:{ports.get(timeout=60)}"
+
+
 # -- the in-process limit -------------------------------------------------------------------
 
 
@@ -306,7 +362,7 @@ def _machine() -> dict[str, Any]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'server':<16} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'server':<18} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'batch':>6} {'in-proc req/s':>14} {'ratio':>6} {'errors':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -314,7 +370,7 @@ def _table(rows: list[Row]) -> str:
         inproc = f"{r.inprocess_rps:.1f} @{r.inprocess_batch}" if r.inprocess_rps else "-"
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
         lines.append(
-            f"{r.server:<16} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
+            f"{r.server:<18} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
             f"{r.p99_ms:>8.3f} {r.mean_batch:>6.1f} {inproc:>14} {ratio:>6} {r.errors:>6}"
         )
     return "\n".join(lines)
@@ -330,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     variants = [None] if args.target else args.max_batch_size.split(",")
     rows: list[Row] = []
-    info = inputs = None
+    info = inputs = echo = None
     for variant in variants:
         proc = None
         target = args.target
@@ -341,16 +397,27 @@ def run(args: argparse.Namespace) -> int:
             with Client(target, wait_for_ready=True, timeout_s=60) as client:
                 info = client.model(args.model)
             inputs = _inputs(info, args)
+            if args.floor and echo is None:
+                echo = _start_echo(target, args.model)
             for level in levels:
                 rows.append(_run_level(target, inputs, level, args, label))
                 print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
         finally:
             if proc is not None:
                 _stop_server(proc)
+    if echo is not None and inputs is not None:
+        try:
+            for level in levels:
+                rows.append(_run_level(echo[1], inputs, level, args, FLOOR))
+                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+        finally:
+            echo[0].terminate()
     if not args.no_inprocess and info is not None and inputs is not None:
         # Measured after the servers stopped, on the model's device, at each batch size reached.
         cache: dict[int, float] = {}
         for row in rows:
+            if row.server == FLOOR:
+                continue
             k = max(1, round(row.mean_batch))
             if k not in cache:
                 print(f"  in-process: batches of {k} request(s)", file=sys.stderr)
