@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+
 from attnserve_server import AttnServer
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
-from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass

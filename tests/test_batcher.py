@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 
 import pytest
+
 from attnserve_server.batching import Batcher, BatchLimits
 from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ShuttingDown
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from attnserve import Request, decode_tensor, encode_tensor
 from attnserve._codec import (
     bfloat16_bits_to_float32,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from attnserve import Client
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest
 from attnserve_server.model import spec_from_settings
+
 from conftest import model, running, settings
 
 pytestmark = [

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+
 from attnserve import Client
 from attnserve_server.settings import WeightsSettings
+
 from conftest import Running, model, running, settings
-from safetensors.torch import save_file
 
 E, H = 32, 4
 TOL = 1e-5

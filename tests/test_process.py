@@ -16,10 +16,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from attnserve import AttnServeError, Client
 from attnserve_server.cli import spawn_serve
+
 from conftest import Running
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -11,12 +11,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from attnserve import AsyncClient, AttnServeError, Client, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
+
 from conftest import Running, model, running, settings
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 E = 32
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from attnserve_server.errors import ConfigError
 from attnserve_server.settings import OPTIONS, ServerSettings, load_settings
 

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from attnserve_server.compute.weights import load_projections, random_projections
 from attnserve_server.errors import ConfigError
 from attnserve_server.model import spec_from_settings
 from attnserve_server.settings import ModelSettings, WeightsSettings
-from safetensors.torch import save_file
 
 
 def spec(**kw):

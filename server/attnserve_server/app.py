@@ -7,14 +7,13 @@ import logging
 
 import grpc
 import grpc.aio
-import torch
-from attnserve._channel import STREAM_LOOKAHEAD_BYTES
-from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from attnserve._channel import STREAM_LOOKAHEAD_BYTES
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.metrics import Metrics
@@ -44,7 +43,10 @@ class AttnServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.models = {m.name: ServedModel(m, self.metrics.for_model(m.name), worker_factory) for m in settings.models}
+        self.models = {
+            m.name: ServedModel(m, self.metrics.for_model(m.name), worker_factory, settings.torch_threads)
+            for m in settings.models
+        }
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._health = health.aio.HealthServicer()
@@ -54,8 +56,6 @@ class AttnServer:
 
     async def start(self) -> None:
         s = self.settings
-        if s.torch_threads:
-            torch.set_num_threads(s.torch_threads)
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", s.max_message_bytes),

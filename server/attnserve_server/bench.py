@@ -100,6 +100,7 @@ def _client_process(
     # as little of the machine's CPU as Python allows. (The client's codec is tested, not timed here.)
     import grpc
     import grpc.aio
+
     from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
     from attnserve.v1 import attention_pb2 as pb
 
@@ -245,6 +246,7 @@ def _stop_server(proc: subprocess.Popen) -> None:
 def _echo_server(metadata: bytes, ports: Any) -> None:
     """A bare grpc.aio server: Attend answers with the query as output; GetModel with `metadata`."""
     import grpc.aio
+
     from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, STREAM_LOOKAHEAD_BYTES
     from attnserve.v1 import attention_pb2 as pb
     from attnserve.v1 import attention_pb2_grpc as pb_grpc
@@ -275,6 +277,7 @@ def _echo_server(metadata: bytes, ports: Any) -> None:
 
 def _start_echo(target: str, model: str) -> tuple[Any, str]:
     import grpc
+
     from attnserve.v1 import attention_pb2 as pb
     from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
@@ -290,7 +293,9 @@ def _start_echo(target: str, model: str) -> tuple[Any, str]:
 # -- the in-process limit -------------------------------------------------------------------
 
 
-def inprocess_throughput(info: Any, inputs: dict[str, Any], batch_requests: int, seconds: float = 3.0) -> float:
+def inprocess_throughput(
+    info: Any, inputs: dict[str, Any], batch_requests: int, seconds: float = 3.0, torch_threads: int | None = None
+) -> float:
     """Requests/s of the model computed directly on a device worker, batch_requests at a time."""
     import torch
 
@@ -314,7 +319,7 @@ def inprocess_throughput(info: Any, inputs: dict[str, Any], batch_requests: int,
     )
     spec = spec_from_settings(settings)
     params = None if info.kind == "sdpa" else random_projections(spec, 0)
-    worker = DeviceWorker(spec, params, torch.device(info.devices[0]))
+    worker = DeviceWorker(spec, params, torch.device(info.devices[0]), torch_threads)
 
     def tensor(name: str) -> torch.Tensor | None:
         return None if inputs.get(name) is None else torch.from_numpy(inputs[name]).to(spec.dtype)
@@ -421,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
             k = max(1, round(row.mean_batch))
             if k not in cache:
                 print(f"  in-process: batches of {k} request(s)", file=sys.stderr)
-                cache[k] = inprocess_throughput(info, inputs, k, args.inprocess_s)
+                cache[k] = inprocess_throughput(info, inputs, k, args.inprocess_s, args.torch_threads)
             row.inprocess_rps, row.inprocess_batch = cache[k], k
             row.ratio = row.throughput_rps / cache[k]
     command = "attnserve " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnserve") else " ".join(sys.argv)

@@ -150,6 +150,7 @@ def _summary(name: str, arr: Any) -> str:
 
 def cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
+
     from attnserve import AttnServeError, Client
 
     rng = np.random.default_rng(args.seed)

@@ -21,8 +21,8 @@ from attnserve_server.settings import ModelSettings
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# (spec, weights on the CPU, device) -> a worker with run(), warmup(), close(), executor, name.
-WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device], DeviceWorker]
+# (spec, weights on the CPU, device, torch_threads) -> a worker with run(), warmup(), close(), executor, name.
+WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
 
 
 def spec_from_settings(settings: ModelSettings) -> ModelSpec:
@@ -53,13 +53,20 @@ class Answer:
 
 
 class ServedModel:
-    def __init__(self, settings: ModelSettings, metrics: ModelMetrics, worker_factory: WorkerFactory) -> None:
+    def __init__(
+        self,
+        settings: ModelSettings,
+        metrics: ModelMetrics,
+        worker_factory: WorkerFactory,
+        torch_threads: int | None = None,
+    ) -> None:
         self.settings = settings
         self.spec = spec_from_settings(settings)
         self.metrics = metrics
         self.devices: list[str] = []
         self.ready = False
         self._worker_factory = worker_factory
+        self._torch_threads = torch_threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, tuple[AttentionResult, float]] | None = None
 
@@ -69,7 +76,7 @@ class ServedModel:
         devices = resolve_devices(self.settings.device)
         params = await asyncio.to_thread(load_projections, self.spec, self.settings.weights)
         for device in devices:
-            worker = await asyncio.to_thread(self._worker_factory, self.spec, params, device)
+            worker = await asyncio.to_thread(self._worker_factory, self.spec, params, device, self._torch_threads)
             await loop.run_in_executor(worker.executor, worker.warmup)
             self._workers.append(worker)
         self.devices = [w.name for w in self._workers]

@@ -37,13 +37,21 @@ class _PinnedArena:
 class DeviceWorker:
     """Runs `run(requests) -> BatchReport` on one device, on its own thread (see `executor`)."""
 
-    def __init__(self, spec: ModelSpec, params: Projections | None, device: torch.device) -> None:
+    def __init__(
+        self, spec: ModelSpec, params: Projections | None, device: torch.device, torch_threads: int | None = None
+    ) -> None:
         self.spec = spec
         self.device = device
         self.name = str(device)
         self._cuda = device.type == "cuda"
         # One thread per device: torch releases the GIL in its kernels, and the event loop stays free.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"attn-{spec.name}-{device}")
+        # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread.
+        self.executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"attn-{spec.name}-{device}",
+            initializer=torch.set_num_threads if torch_threads else None,
+            initargs=(torch_threads,) if torch_threads else (),
+        )
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._arena = _PinnedArena() if self._cuda else None
         on_device = None if params is None else params.to(device, spec.dtype)

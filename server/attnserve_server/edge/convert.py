@@ -7,8 +7,8 @@ import warnings
 
 import numpy as np
 import torch
-from attnserve.v1 import attention_pb2 as pb
 
+from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.errors import InvalidArgument
 

@@ -8,9 +8,9 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
+
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
-
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
 from attnserve_server.errors import ModelNotFound, ServingError, status_of
 from attnserve_server.metrics import ModelMetrics
