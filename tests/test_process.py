@@ -6,9 +6,13 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +197,44 @@ def test_generated_protobuf_code_matches_the_proto() -> None:
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_real_prometheus_scrapes_the_metrics_port(default_server: Running, tmp_path: Path) -> None:
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus not installed (./dev test installs it with apt-get)")
+    with socket.socket() as s:  # a free port for Prometheus's own API
+        s.bind(("127.0.0.1", 0))
+        api_port = s.getsockname()[1]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: attnserve\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{default_server.server.metrics_port}']}}]\n"
+    )
+    with Client(default_server.target) as c:
+        c.attend(np.ones((3, 32), np.float32), model="default")
+    proc = subprocess.Popen(
+        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{api_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    query = 'sum(attnserve_requests_total{model="default",method="Attend",code="OK"})'
+    url = f"http://127.0.0.1:{api_port}/api/v1/query?query={urllib.parse.quote(query)}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the first sample lands a scrape interval after start: poll
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    result = json.loads(r.read())["data"]["result"]
+            except OSError:
+                result = []
+            if result:
+                break
+            assert time.monotonic() < deadline, "Prometheus never answered the query"
+            time.sleep(0.2)
+        assert float(result[0]["value"][1]) >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
