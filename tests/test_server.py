@@ -482,3 +482,19 @@ def test_auto_device_falls_back_to_the_cpu() -> None:
         Client(handle.target) as c,
     ):
         assert c.model().devices == ("cpu",)
+
+
+def test_a_model_that_fails_to_load_stops_start_and_releases_the_port(tmp_path) -> None:
+    import socket
+
+    from attnserve_server import AttnServer
+    from attnserve_server.errors import ConfigError
+    from attnserve_server.settings import WeightsSettings
+
+    missing = WeightsSettings(format="torch", path=str(tmp_path / "missing.safetensors"))
+    server = AttnServer(settings(model(embed_dim=E, num_heads=4, weights=missing)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        asyncio.run(server.start())
+    assert server.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", server.port))  # free again

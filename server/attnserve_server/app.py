@@ -55,6 +55,14 @@ class AttnServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            # A model that fails to load must not leave the port bound or threads running.
+            await self.stop(0)
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
         self._server = grpc.aio.server(
             options=[
