@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from attnserve_server.batching import Batcher, BatchLimits
-from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ShuttingDown
+from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
 
 
 class FakeRunner:
@@ -299,5 +299,33 @@ def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
         for f in (stuck, waiting):
             with pytest.raises(ShuttingDown):
                 await f
+
+    run(main())
+
+
+def test_a_dead_batching_loop_fails_waiting_requests_instead_of_leaving_them_hanging() -> None:
+    class BrokenObserver(Recorder):
+        def dropped(self, reason: str) -> None:
+            raise RuntimeError("observer bug")
+
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher([runner], limits(), BrokenObserver())
+        b.start()
+        loop = asyncio.get_running_loop()
+        blocker = submit(b, "block")
+        await runner.started.wait()
+        waiting = submit(b, "waiting")
+        late = submit(b, "late", deadline=loop.time() - 1)  # expiring it trips the observer bug
+        await until(lambda: b.depth == 2)
+        runner.gate.set()
+        await blocker
+        with pytest.raises(DeadlineExpired):
+            await late
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await waiting
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await b.submit("after", sequences=1, length=1, group="g")
+        await b.close()
 
     run(main())

@@ -108,10 +108,7 @@ class Batcher(Generic[T, R]):
             return
         log.critical("the batching loop died", exc_info=task.exception())
         self._broken = ServingError(f"the model's batcher stopped: {task.exception()!r}")
-        for group in self._groups.values():
-            self._fail(list(group), self._broken)
-        self._groups.clear()
-        self._set_depth(0)
+        self._fail_queued(self._broken)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -179,10 +176,10 @@ class Batcher(Generic[T, R]):
         for group in list(self._groups.values()):
             for entry in [e for e in group if e.deadline is not None and e.deadline <= now]:
                 self._remove(entry)
-                self._observer.dropped("deadline_exceeded")
                 entry.future.set_exception(
                     DeadlineExpired("the request's deadline passed while it waited in the queue")
                 )
+                self._observer.dropped("deadline_exceeded")
 
     async def _next_batch(self) -> list[_Entry[T]]:
         loop = asyncio.get_running_loop()
@@ -251,6 +248,14 @@ class Batcher(Generic[T, R]):
             self._idle.put_nowait(runner)
             self._changed.set()
 
+    def _fail_queued(self, error: Exception) -> None:
+        for group in self._groups.values():
+            for entry in group:
+                entry.queued = False
+            self._fail(list(group), error)
+        self._groups.clear()
+        self._set_depth(0)
+
     @staticmethod
     def _fail(entries: list[_Entry[T]], error: Exception) -> None:
         for entry in entries:
@@ -288,7 +293,4 @@ class Batcher(Generic[T, R]):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for group in self._groups.values():
-            self._fail(list(group), ShuttingDown("the server stopped before this request ran"))
-        self._groups.clear()
-        self._set_depth(0)
+        self._fail_queued(ShuttingDown("the server stopped before this request ran"))

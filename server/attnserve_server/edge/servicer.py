@@ -28,11 +28,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._default = next(iter(models))
         self._unknown = unknown_model_metrics
 
-    def _lookup(self, name: str) -> ServedModel:
-        served = self._models.get(name or self._default)
-        if served is None:
-            raise ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self._models))}")
-        return served
+    def _not_found(self, name: str) -> ModelNotFound:
+        return ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self._models))}")
 
     @staticmethod
     def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -49,7 +46,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         metrics.inflight.inc()
         code = grpc.StatusCode.OK
         try:
-            served = self._lookup(msg.model)
+            if served is None:
+                raise self._not_found(msg.model)
             request = request_from_proto(msg, served.spec)
             answer = await served.submit(request, deadline)
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
@@ -125,11 +123,11 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return pb.ListModelsResponse(models=[self._metadata(m) for m in self._models.values()])
 
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelMetadata:
-        try:
-            return self._metadata(self._lookup(request.model))
-        except ServingError as exc:
-            await context.abort(exc.code, exc.message)
-            raise
+        served = self._models.get(request.model or self._default)
+        if served is None:
+            error = self._not_found(request.model)
+            await context.abort(error.code, error.message)
+        return self._metadata(served)
 
     @staticmethod
     def _metadata(served: ServedModel) -> pb.ModelMetadata:
