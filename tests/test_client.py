@@ -1,0 +1,57 @@
+"""Client behaviour that needs a controllable peer: retries of UNAVAILABLE through the service config."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from attnserve import AttnServeError, Client
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
+
+
+class FlakyOnce(pb_grpc.AttentionServiceServicer):
+    """Answers UNAVAILABLE to the first attempt of every request id, then echoes the query."""
+
+    def __init__(self) -> None:
+        self.attempts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def Attend(self, request: pb.AttendRequest, context: grpc.ServicerContext) -> pb.AttendResponse:
+        with self.lock:
+            n = self.attempts[request.request_id] = self.attempts.get(request.request_id, 0) + 1
+        if n == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        return pb.AttendResponse(request_id=request.request_id, output=request.query)
+
+
+@pytest.fixture
+def flaky():
+    servicer = FlakyOnce()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_unavailable_is_retried_by_the_channel(flaky) -> None:
+    servicer, target = flaky
+    x = np.ones((2, 4), np.float32)
+    with Client(target, timeout_s=10) as c:
+        result = c.attend(x, request_id="r1")
+    np.testing.assert_array_equal(result.output, x)
+    assert servicer.attempts["r1"] == 2
+
+
+def test_without_retries_unavailable_reaches_the_caller(flaky) -> None:
+    servicer, target = flaky
+    with Client(target, timeout_s=10, retries=False) as c, pytest.raises(AttnServeError) as err:
+        c.attend(np.ones((2, 4), np.float32), request_id="r2")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.message == "try again"
+    assert servicer.attempts["r2"] == 1
