@@ -52,7 +52,7 @@ class AttnServer:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
-        self._stopped = asyncio.Event()
+        self._stopped = False
 
     async def start(self) -> None:
         try:
@@ -97,7 +97,7 @@ class AttnServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, finish accepted requests within grace_s."""
-        if self._stopped.is_set():
+        if self._stopped:
             return
         grace = self.settings.grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
@@ -116,7 +116,4 @@ class AttnServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
+        self._stopped = True

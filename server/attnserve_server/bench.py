@@ -149,7 +149,10 @@ def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
         "dtype": None if info.dtype == "float32" else info.dtype,
     }
     kv_len = args.kv_len or (args.seq_len if info.kind == "sdpa" else None)
-    if kv_len is not None:
+    if kv_len is not None and info.kind == "mha" and info.kdim == info.vdim:
+        # One X' for key and value, as a cross-attention user sends it.
+        inputs["key_value"] = rng.standard_normal((args.batch, kv_len, info.kdim), dtype=np.float32)
+    elif kv_len is not None:
         inputs["key"] = rng.standard_normal((args.batch, kv_len, info.kdim), dtype=np.float32)
         inputs["value"] = rng.standard_normal((args.batch, kv_len, info.vdim), dtype=np.float32)
     return inputs
@@ -324,9 +327,9 @@ def inprocess_throughput(
     def tensor(name: str) -> torch.Tensor | None:
         return None if inputs.get(name) is None else torch.from_numpy(inputs[name]).to(spec.dtype)
 
-    request = AttentionRequest(
-        tensor("query"), tensor("key"), tensor("value"), None, inputs["causal"], False, False, unbatched=False
-    )
+    shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
+    key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
+    request = AttentionRequest(tensor("query"), key, value, None, inputs["causal"], False, False, unbatched=False)
     batch = [request] * batch_requests
 
     def measure() -> float:

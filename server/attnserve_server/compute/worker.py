@@ -118,7 +118,9 @@ class DeviceWorker:
             key = value = None
             if first.key is not None:
                 key = self._stage("key", [r.key for r in requests], s)  # type: ignore[misc]
-                value = self._stage("value", [r.value for r in requests], s)  # type: ignore[misc]
+                # key_value sends one X' for both: stage (and copy to the device) once.
+                shared = all(r.value is r.key for r in requests)
+                value = key if shared else self._stage("value", [r.value for r in requests], s)  # type: ignore[misc]
             padding = self._key_padding(requests, n, s)
             # 2. compute
             out, weights = self._compute(
