@@ -15,6 +15,7 @@ from attnserve._channel import STREAM_LOOKAHEAD_BYTES
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.edge.dispatch import Dispatcher
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
@@ -72,9 +73,8 @@ class AttnServer:
                 ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
             ]
         )
-        pb_grpc.add_AttentionServiceServicer_to_server(
-            AttentionServicer(self.models, self.metrics.for_model("")), self._server
-        )
+        dispatcher = Dispatcher(self.models, self.metrics.for_model(""))
+        pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(dispatcher), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         for name in ("", SERVICE_NAME, *self.models):

@@ -3,53 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 import grpc
 
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_server.domain import AttentionRequest
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
-from attnserve_server.errors import ModelNotFound, ServingError, status_of
-from attnserve_server.metrics import ModelMetrics
-from attnserve_server.model import ServedModel
+from attnserve_server.edge.dispatch import Dispatcher, Encode
+from attnserve_server.errors import ServingError, status_of
+from attnserve_server.model import Answer, ServedModel
 
-log = logging.getLogger(__name__)
 _END = object()
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
-    """An empty model name means the first configured model."""
+    """The native API. An empty model name means the first configured model."""
 
-    def __init__(self, models: Mapping[str, ServedModel], unknown_model_metrics: ModelMetrics) -> None:
-        self._models = models
-        self._default = next(iter(models))
-        self._unknown = unknown_model_metrics
-
-    def _not_found(self, name: str) -> ModelNotFound:
-        return ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self._models))}")
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatch = dispatcher
 
     @staticmethod
-    def _deadline(context: grpc.aio.ServicerContext) -> float | None:
-        """The call's deadline on the event loop's clock (None: the caller set none)."""
-        remaining = context.time_remaining()
-        return None if remaining is None else asyncio.get_running_loop().time() + remaining
-
-    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None) -> pb.AttendResponse:
-        """One request, start to end, with its metrics; raises ServingError (or anything unexpected)."""
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        served = self._models.get(msg.model or self._default)
-        metrics = served.metrics if served is not None else self._unknown
-        metrics.inflight.inc()
-        code = grpc.StatusCode.OK
-        try:
-            if served is None:
-                raise self._not_found(msg.model)
-            request = request_from_proto(msg, served.spec)
-            answer = await served.submit(request, deadline)
+    def _encode(msg: pb.AttendRequest) -> Encode[pb.AttendResponse]:
+        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, start: float) -> pb.AttendResponse:
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
             fill_response(response, answer.result.output, answer.result.weights, request.unbatched)
             t = response.timing
@@ -59,22 +37,17 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             t.batch_sequences = answer.batch_sequences
             t.server_ns = int((time.perf_counter() - start) * 1e9)
             return response
-        except asyncio.CancelledError:
-            expired = deadline is not None and loop.time() >= deadline
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        except BaseException as exc:
-            code, _ = status_of(exc)
-            if not isinstance(exc, ServingError):
-                log.exception("unexpected error in %s", method)
-            raise
-        finally:
-            metrics.inflight.dec()
-            metrics.request_done(method, code.name, time.perf_counter() - start)
+
+        return encode
+
+    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None) -> pb.AttendResponse:
+        return await self._dispatch.handle(
+            msg.model, method, deadline, lambda served: request_from_proto(msg, served.spec), self._encode(msg)
+        )
 
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
         try:
-            return await self._answer(request, "Attend", self._deadline(context))
+            return await self._answer(request, "Attend", self._dispatch.deadline(context))
         except Exception as exc:
             code, message = status_of(exc)
             await context.abort(code, message)
@@ -96,7 +69,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> AsyncIterator[pb.AttendResponse]:
         # Requests of one stream run concurrently (and batch together); answers go out as they finish.
         answers: asyncio.Queue = asyncio.Queue()
-        deadline = self._deadline(context)  # the stream's, for every message in it
+        deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
 
         async def answer(msg: pb.AttendRequest) -> None:
             answers.put_nowait(await self._answer_in_band(msg, deadline))
@@ -120,13 +93,14 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[self._metadata(m) for m in self._models.values()])
+        return pb.ListModelsResponse(models=[self._metadata(m) for m in self._dispatch.models.values()])
 
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelMetadata:
-        served = self._models.get(request.model or self._default)
-        if served is None:
-            error = self._not_found(request.model)
+        try:
+            served = self._dispatch.model(request.model)
+        except ServingError as error:
             await context.abort(error.code, error.message)
+            raise
         return self._metadata(served)
 
     @staticmethod

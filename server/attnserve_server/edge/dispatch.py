@@ -1,0 +1,80 @@
+"""What both edges share: find the model, decode, submit to its batcher, encode, and count it.
+
+An edge passes a `decode(served) -> AttentionRequest` and an `encode(...) -> response`;
+`Dispatcher.handle` runs them around the model's batcher and records the request's
+metrics (and so its KServe statistics) whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import grpc
+
+from attnserve_server.domain import AttentionRequest
+from attnserve_server.errors import ModelNotFound, ServingError, status_of
+from attnserve_server.metrics import ModelMetrics
+from attnserve_server.model import Answer, ServedModel
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+# (the model, the request, its answer, perf_counter() at receipt) -> the edge's response
+Encode = Callable[[ServedModel, AttentionRequest, Answer, float], R]
+
+
+class Dispatcher:
+    """An empty model name means the first configured model."""
+
+    def __init__(self, models: Mapping[str, ServedModel], unknown_model_metrics: ModelMetrics) -> None:
+        self.models = models
+        self.default = next(iter(models))
+        self._unknown = unknown_model_metrics
+
+    def model(self, name: str) -> ServedModel:
+        served = self.models.get(name or self.default)
+        if served is None:
+            raise ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self.models))}")
+        return served
+
+    @staticmethod
+    def deadline(context: grpc.aio.ServicerContext) -> float | None:
+        """The call's deadline on the event loop's clock (None: the caller set none)."""
+        remaining = context.time_remaining()
+        return None if remaining is None else asyncio.get_running_loop().time() + remaining
+
+    async def handle(
+        self,
+        model: str,
+        method: str,
+        deadline: float | None,
+        decode: Callable[[ServedModel], AttentionRequest],
+        encode: Encode[R],
+    ) -> R:
+        """One request, start to end, with its metrics; raises ServingError (or anything unexpected)."""
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        served = self.models.get(model or self.default)
+        metrics = served.metrics if served is not None else self._unknown
+        metrics.inflight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            served = self.model(model)
+            request = decode(served)
+            answer = await served.submit(request, deadline)
+            return encode(served, request, answer, start)
+        except asyncio.CancelledError:
+            expired = deadline is not None and loop.time() >= deadline
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except BaseException as exc:
+            code, _ = status_of(exc)
+            if not isinstance(exc, ServingError):
+                log.exception("unexpected error in %s", method)
+            raise
+        finally:
+            metrics.inflight.dec()
+            metrics.request_done(method, code.name, time.perf_counter() - start)

@@ -1,0 +1,221 @@
+"""Protocol-neutral request validation: named wire tensors -> an AttentionRequest.
+
+Both edges (the native attnserve.v1 API and KServe v2) turn their messages into
+`WireTensor`s named as the model's inputs (query, key_value, key, value,
+key_padding_mask, key_lengths) and call `build_request`, so every rule and every
+INVALID_ARGUMENT message is the same whichever protocol a request came in by.
+Datatypes are named as KServe v2 names them: FP32, FP16, BF16, BOOL, INT32, INT64.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.errors import InvalidArgument
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "FP32": torch.float32,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+    "BOOL": torch.bool,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
+LENGTH_DTYPES = ("INT32", "INT64")
+INPUT_NAMES = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
+_WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
+
+# torch.frombuffer warns, once per process, that message bytes are read-only. Requests never
+# write to their tensors (the worker copies them into its batch), so spend that warning here.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class WireTensor:
+    """A tensor as a request carried it: not yet checked against anything."""
+
+    dtype: str  # a KServe v2 datatype name; anything else is refused with this name in the message
+    shape: tuple[int, ...]
+    data: bytes | memoryview  # little-endian, row-major
+    data_field: str  # where the bytes were, for messages: "query.data", "raw_input_contents[0]"
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's elements as little-endian bytes (bf16 through its bit pattern)."""
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return raw.numpy().tobytes()
+
+
+def _decode(tensor: WireTensor, name: str, allowed: tuple[str, ...], ranks: tuple[int, ...], why: str) -> torch.Tensor:
+    """Checks dtype, rank, dims and byte length, then views the bytes as a tensor (no copy)."""
+    if tensor.dtype not in allowed:
+        raise InvalidArgument(f"{name}.dtype: expected {' or '.join(allowed)}{why}, got {tensor.dtype}")
+    shape = list(tensor.shape)
+    if len(shape) not in ranks:
+        expected = " or ".join(str(r) for r in ranks)
+        raise InvalidArgument(f"{name}.shape: expected {expected} dimensions, got {shape}")
+    if any(d <= 0 for d in shape):
+        raise InvalidArgument(f"{name}.shape: dimensions must be positive, got {shape}")
+    expected_bytes = math.prod(shape) * ITEMSIZE[tensor.dtype]
+    if len(tensor.data) != expected_bytes:
+        raise InvalidArgument(
+            f"{tensor.data_field}: expected {expected_bytes} bytes for shape {shape} {tensor.dtype}, "
+            f"got {len(tensor.data)}"
+        )
+    if tensor.dtype == "BOOL" and np.frombuffer(tensor.data, dtype=np.uint8).max() > 1:
+        raise InvalidArgument(f"{tensor.data_field}: BOOL elements must be bytes 0 or 1")
+    return torch.frombuffer(tensor.data, dtype=TORCH_DTYPES[tensor.dtype]).view(shape)
+
+
+def _sequence(tensors: Mapping[str, WireTensor], name: str, spec: ModelSpec, rank: int, width: int) -> torch.Tensor:
+    """A float input of the model's dtype: [B, T, width] (or [T, width] when the query is unbatched)."""
+    why = f" (the dtype of model {spec.name!r})"
+    t = _decode(tensors[name], name, (DTYPE_NAMES[spec.dtype],), (rank,), why)
+    if t.shape[-1] != width:
+        raise InvalidArgument(
+            f"{name}.shape[-1]: expected {_WIDTH_LABEL[name]} {width}, got {t.shape[-1]} (shape {list(t.shape)})"
+        )
+    return t if rank == 3 else t.unsqueeze(0)
+
+
+def _key_padding(tensors: Mapping[str, WireTensor], batch: int, keys: int, unbatched: bool) -> torch.Tensor | None:
+    mask_in, lengths_in = tensors.get("key_padding_mask"), tensors.get("key_lengths")
+    if mask_in is not None and lengths_in is not None:
+        raise InvalidArgument("key_padding_mask, key_lengths: send at most one of the two")
+    if mask_in is not None:
+        expected = [keys] if unbatched else [batch, keys]
+        mask = _decode(mask_in, "key_padding_mask", ("BOOL",), (len(expected),), "")
+        if list(mask.shape) != expected:
+            form = "[S]" if unbatched else "[B, S]"
+            raise InvalidArgument(f"key_padding_mask.shape: expected {form} = {expected}, got {list(mask.shape)}")
+        return mask.view(batch, keys)
+    if lengths_in is not None:
+        lengths = _decode(lengths_in, "key_lengths", LENGTH_DTYPES, (0, 1), "")
+        if lengths.numel() != batch:
+            raise InvalidArgument(
+                f"key_lengths.shape: expected one length per sequence ([{batch}]), got {list(lengths.shape)}"
+            )
+        lengths = lengths.reshape(batch).to(torch.int64)
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > keys:
+            bad = low if low < 1 else high
+            raise InvalidArgument(f"key_lengths: expected lengths in 1..{keys} (the key sequence length), got {bad}")
+        return torch.arange(keys).unsqueeze(0) >= lengths.unsqueeze(1)
+    return None
+
+
+def _check_kv_presence(spec: ModelSpec, has_kv: bool, has_k: bool, has_v: bool) -> None:
+    if spec.kind is ModelKind.SDPA:
+        if has_kv:
+            raise InvalidArgument(f"key_value: model {spec.name!r} is the bare operation (sdpa): send key and value")
+        if not (has_k and has_v):
+            missing = "key" if not has_k else "value"
+            raise InvalidArgument(f"{missing}: required by model {spec.name!r} (sdpa takes query, key and value)")
+        return
+    if has_kv and (has_k or has_v):
+        raise InvalidArgument("key_value: send either key_value or key and value, not both")
+    if has_k != has_v:
+        missing = "value" if has_k else "key"
+        raise InvalidArgument(f"{missing}: key and value go together (or neither, for self attention)")
+    if not (has_kv or has_k) and not spec.self_attention:
+        raise InvalidArgument(
+            f"key, value: required by model {spec.name!r}: its kdim {spec.kdim} and vdim {spec.vdim} differ "
+            f"from embed_dim {spec.embed_dim}, so the query cannot serve as key and value"
+        )
+    if has_kv and spec.kdim != spec.vdim:
+        raise InvalidArgument(
+            f"key_value: model {spec.name!r} has kdim {spec.kdim} != vdim {spec.vdim}; send key and value"
+        )
+
+
+def build_request(
+    spec: ModelSpec,
+    tensors: Mapping[str, WireTensor],
+    *,
+    causal: bool,
+    need_weights: bool,
+    average_weights: bool,
+) -> AttentionRequest:
+    """Validates a request against its model and returns it as domain values; raises InvalidArgument."""
+    unknown = sorted(set(tensors) - set(INPUT_NAMES))
+    if unknown:
+        raise InvalidArgument(f"{unknown[0]}: not an input of model {spec.name!r}; inputs: {', '.join(INPUT_NAMES)}")
+    if "query" not in tensors:
+        raise InvalidArgument("query: required ([L, E] or [B, L, E])")
+    if average_weights and not need_weights:
+        raise InvalidArgument("average_weights: only meaningful with need_weights=true")
+    rank = len(tensors["query"].shape)
+    if rank not in (2, 3):
+        raise InvalidArgument(f"query.shape: expected [L, E] or [B, L, E], got {list(tensors['query'].shape)}")
+    query = _sequence(tensors, "query", spec, rank, spec.embed_dim)
+    batch, length = query.shape[0], query.shape[1]
+    if length > spec.max_query_len:
+        raise InvalidArgument(
+            f"query.shape: sequence length {length} exceeds model {spec.name!r} max_query_len {spec.max_query_len}"
+        )
+    if batch > spec.max_batch_size:
+        raise InvalidArgument(
+            f"query.shape: {batch} sequences exceed model {spec.name!r} max_batch_size {spec.max_batch_size}"
+        )
+    if batch * length > spec.max_batch_tokens:
+        raise InvalidArgument(
+            f"query.shape: {batch * length} tokens exceed model {spec.name!r} max_batch_tokens {spec.max_batch_tokens}"
+        )
+
+    has_kv, has_k, has_v = ("key_value" in tensors), ("key" in tensors), ("value" in tensors)
+    _check_kv_presence(spec, has_kv, has_k, has_v)
+    key = value = None
+    if has_kv:
+        key = value = _sequence(tensors, "key_value", spec, rank, spec.kdim)
+    elif has_k:
+        key = _sequence(tensors, "key", spec, rank, spec.kdim)
+        value = _sequence(tensors, "value", spec, rank, spec.vdim)
+    keys = length
+    if key is not None and value is not None:
+        name = "key_value" if has_kv else "key"
+        if key.shape[0] != batch:
+            raise InvalidArgument(f"{name}.shape: expected {batch} sequences like query, got {key.shape[0]}")
+        if value.shape[:2] != key.shape[:2]:
+            raise InvalidArgument(
+                f"value.shape: expected {list(key.shape[:2])} sequences and positions like key, "
+                f"got {list(value.shape[:2])}"
+            )
+        keys = key.shape[1]
+        if keys > spec.max_key_len:
+            raise InvalidArgument(
+                f"{name}.shape: key sequence length {keys} exceeds model {spec.name!r} max_key_len {spec.max_key_len}"
+            )
+
+    padding = _key_padding(tensors, batch, keys, unbatched=rank == 2)
+    if padding is not None:
+        # A query row that sees no key would come out NaN: refuse it here.
+        if bool(padding.all(dim=1).any()):
+            seq = int(padding.all(dim=1).nonzero()[0])
+            raise InvalidArgument(f"key_padding_mask: sequence {seq} masks every key; at least one must stay visible")
+        if causal and bool(padding[:, 0].any()):
+            seq = int(padding[:, 0].nonzero()[0])
+            raise InvalidArgument(
+                f"key_padding_mask: with causal=true key 0 must stay visible (query 0 sees only key 0); "
+                f"sequence {seq} masks it"
+            )
+    return AttentionRequest(
+        query=query,
+        key=key,
+        value=value,
+        key_padding=padding,
+        causal=causal,
+        need_weights=need_weights,
+        average_weights=average_weights,
+        unbatched=rank == 2,
+    )
