@@ -305,27 +305,51 @@ def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
 
 def test_a_dead_batching_loop_fails_waiting_requests_instead_of_leaving_them_hanging() -> None:
     class BrokenObserver(Recorder):
-        def dropped(self, reason: str) -> None:
-            raise RuntimeError("observer bug")
+        armed = False
+
+        def queue_depth(self, depth: int) -> None:
+            if self.armed:
+                raise RuntimeError("observer bug")
+            super().queue_depth(depth)
 
     async def main() -> None:
         runner = FakeRunner()
-        b = Batcher([runner], limits(), BrokenObserver())
+        observer = BrokenObserver()
+        b = Batcher([runner], limits(), observer)
         b.start()
-        loop = asyncio.get_running_loop()
         blocker = submit(b, "block")
         await runner.started.wait()
         waiting = submit(b, "waiting")
-        late = submit(b, "late", deadline=loop.time() - 1)  # expiring it trips the observer bug
-        await until(lambda: b.depth == 2)
+        await until(lambda: b.depth == 1)
+        observer.armed = True  # the loop's next batch reports the depth and dies
         runner.gate.set()
         await blocker
-        with pytest.raises(DeadlineExpired):
-            await late
         with pytest.raises(ServingError, match="batcher stopped"):
             await waiting
         with pytest.raises(ServingError, match="batcher stopped"):
             await b.submit("after", sequences=1, length=1, group="g")
+        observer.armed = False
+        await b.close()
+
+    run(main())
+
+
+def test_a_queued_request_expires_at_its_deadline_while_every_runner_is_busy() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        rec = Recorder()
+        b = Batcher([runner], limits(), rec)
+        b.start()
+        loop = asyncio.get_running_loop()
+        blocker = submit(b, "block")
+        await runner.started.wait()
+        late = submit(b, "late", deadline=loop.time() + 0.05)
+        with pytest.raises(DeadlineExpired):
+            await late  # the runner is still held: no batch forms, the deadline alone ends it
+        assert b.depth == 0 and rec.drops["deadline_exceeded"] == 1
+        runner.gate.set()
+        await blocker
+        assert runner.batches == [["block"]]
         await b.close()
 
     run(main())

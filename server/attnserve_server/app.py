@@ -7,30 +7,43 @@ import logging
 
 import grpc
 import grpc.aio
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import CollectorRegistry
 
 from attnserve._channel import STREAM_LOOKAHEAD_BYTES
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
+from attnserve_server.protocol import open_inference_pb2
 from attnserve_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
+_HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """One pool holding every service served: the KServe v2 messages live in a private pool of
+    their own (see scripts/gen_proto.sh), so reflection gets a pool built from each file."""
+    pool = descriptor_pool.DescriptorPool()
+    for module in (pb, open_inference_pb2, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
 
 
 class AttnServer:
     """One attnserve process. `await start()` returns once every model is warm and serving.
 
-    Health: "" (the server), the service name, and each model's name. They report
+    Health: "" (the server), each service's name, and each model's name. They report
     NOT_SERVING while models load and from the moment shutdown begins.
     """
 
@@ -75,9 +88,11 @@ class AttnServer:
         )
         dispatcher = Dispatcher(self.models, self.metrics.for_model(""))
         pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(dispatcher), self._server)
+        kserve_servicer.add_to_server(dispatcher, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        for name in ("", SERVICE_NAME, *self.models):
+        services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, self._server, pool=_reflection_pool())
+        for name in ("", *_HEALTH_SERVICES, *self.models):
             await self._health.set(name, _NOT_SERVING)
         self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
         if self.port == 0:
@@ -91,7 +106,7 @@ class AttnServer:
             await served.load()
             await self._health.set(served.spec.name, _SERVING)
         self.metrics.watch_cuda_memory(sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}))
-        for name in ("", SERVICE_NAME):
+        for name in ("", *_HEALTH_SERVICES):
             await self._health.set(name, _SERVING)
         log.info("attnserve serving %s on port %d", ", ".join(self.models), self.port)
 

@@ -129,6 +129,9 @@ class Batcher(Generic[T, R]):
         self._groups.setdefault(group, deque()).append(entry)
         self._set_depth(self._depth + 1)
         self._arrived.set()
+        # Expire it on time even when no batch forms and no RPC deadline cancels the caller
+        # (a deadline can come from a request parameter, such as KServe's `timeout`).
+        timer = loop.call_at(deadline, self._expire_entry, entry) if deadline is not None else None
         try:
             return await entry.future
         except asyncio.CancelledError:
@@ -138,6 +141,9 @@ class Batcher(Generic[T, R]):
                 expired = deadline is not None and loop.time() >= deadline
                 self._observer.dropped("deadline_exceeded" if expired else "cancelled")
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _set_depth(self, depth: int) -> None:
         self._depth = depth
@@ -172,14 +178,16 @@ class Batcher(Generic[T, R]):
                 return count, True
         return count, False
 
+    def _expire_entry(self, entry: _Entry[T]) -> None:
+        if entry.queued and not entry.future.done():
+            self._remove(entry)
+            entry.future.set_exception(DeadlineExpired("the request's deadline passed while it waited in the queue"))
+            self._observer.dropped("deadline_exceeded")
+
     def _expire(self, now: float) -> None:
         for group in list(self._groups.values()):
             for entry in [e for e in group if e.deadline is not None and e.deadline <= now]:
-                self._remove(entry)
-                entry.future.set_exception(
-                    DeadlineExpired("the request's deadline passed while it waited in the queue")
-                )
-                self._observer.dropped("deadline_exceeded")
+                self._expire_entry(entry)
 
     async def _next_batch(self) -> list[_Entry[T]]:
         loop = asyncio.get_running_loop()
@@ -203,13 +211,15 @@ class Batcher(Generic[T, R]):
             self._expire(loop.time())
             count, _ = self._plan(head.group)
             if count:
+                # Depth first: if reporting it fails, the loop dies with the entries still
+                # queued, and _loop_ended fails them instead of losing them.
+                self._set_depth(self._depth - count)
                 group = self._groups[head.group]
                 batch = [group.popleft() for _ in range(count)]
                 if not group:
                     del self._groups[head.group]
                 for entry in batch:
                     entry.queued = False
-                self._set_depth(self._depth - count)
                 return batch
 
     async def _loop(self) -> None:

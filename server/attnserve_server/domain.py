@@ -98,7 +98,10 @@ class BatchReport:
     """What a worker returns for a batch: per-request results and what it cost."""
 
     results: list[AttentionResult]
-    compute_s: float
+    compute_s: float  # the whole batch, wall clock: input_s + infer_s + output_s
+    input_s: float  # padding and staging the inputs (host-to-device copies included)
+    infer_s: float  # the attention itself
+    output_s: float  # results back to the host and split per request
     sequences: int
     tokens: int  # real query tokens
     padding_fraction: float  # share of padded query and key positions

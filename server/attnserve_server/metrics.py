@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from attnserve_server.domain import BatchReport
 
 # 100 us to 10 s.
 LATENCY_BUCKETS_S = (
@@ -142,6 +146,50 @@ class Metrics:
         return start_http_server(port, addr=host, registry=self.registry)
 
 
+@dataclass
+class Duration:
+    """A count and a total time, as KServe statistics report them."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9) * count
+
+
+@dataclass
+class BatchPhases:
+    """Compute time split as Triton splits it: inputs, the inference, outputs."""
+
+    input: Duration = field(default_factory=Duration)
+    infer: Duration = field(default_factory=Duration)
+    output: Duration = field(default_factory=Duration)
+
+    def add(self, report: BatchReport, requests: int) -> None:
+        """Each of the batch's `requests` is charged the batch's phase times, as Triton counts them."""
+        self.input.add(report.input_s, requests)
+        self.infer.add(report.infer_s, requests)
+        self.output.add(report.output_s, requests)
+
+
+@dataclass
+class InferenceStats:
+    """One model's totals since start, fed by the same calls that feed its Prometheus series.
+
+    Updated and read on the event loop only. KServe v2's ModelStatistics is built from it.
+    """
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute: BatchPhases = field(default_factory=BatchPhases)  # per request
+    by_batch_size: dict[int, BatchPhases] = field(default_factory=dict)  # per batch, by sequences
+    inference_count: int = 0  # sequences computed
+    execution_count: int = 0  # batches computed
+    last_inference_ms: int = 0
+
+
 class ModelMetrics:
     """One model's label children, bound once (label lookups are not free on the request path)."""
 
@@ -156,6 +204,7 @@ class ModelMetrics:
         self._tokens = metrics.tokens.labels(model)
         self._queue_depth = metrics.queue_depth.labels(model)
         self.inflight = metrics.inflight.labels(model)
+        self.stats = InferenceStats()
         self._dropped = {reason: metrics.dropped.labels(model, reason) for reason in DROP_REASONS}
         for child in self._dropped.values():
             child.inc(0)
@@ -174,14 +223,21 @@ class ModelMetrics:
         self._batch_requests.observe(requests)
         for wait in queue_waits_s:
             self._queue_wait.observe(wait)
+            self.stats.queue.add(wait)
 
     # worker reports
-    def batch_computed(self, device: str, compute_s: float, sequences: int, tokens: int, padding: float) -> None:
-        self._metrics.compute_duration.labels(self.model, device).observe(compute_s)
-        self._batch_sequences.observe(sequences)
-        self._batch_tokens.observe(tokens)
-        self._batch_padding.observe(padding)
-        self._tokens.inc(tokens)
+    def batch_computed(self, device: str, report: BatchReport) -> None:
+        self._metrics.compute_duration.labels(self.model, device).observe(report.compute_s)
+        self._batch_sequences.observe(report.sequences)
+        self._batch_tokens.observe(report.tokens)
+        self._batch_padding.observe(report.padding_fraction)
+        self._tokens.inc(report.tokens)
+        stats = self.stats
+        stats.compute.add(report, len(report.results))
+        stats.by_batch_size.setdefault(report.sequences, BatchPhases()).add(report, 1)
+        stats.inference_count += report.sequences
+        stats.execution_count += 1
+        stats.last_inference_ms = int(time.time() * 1e3)
 
     def batch_failed(self, device: str) -> None:
         self._metrics.batch_failures.labels(self.model, device).inc()
@@ -189,6 +245,7 @@ class ModelMetrics:
     def request_done(self, method: str, code: str, duration_s: float) -> None:
         self._metrics.requests.labels(self.model, method, code).inc()
         self._metrics.request_duration.labels(self.model, method).observe(duration_s)
+        (self.stats.success if code == "OK" else self.stats.fail).add(duration_s)
 
 
 class _CudaMemoryCollector(Collector):

@@ -103,9 +103,7 @@ class ServedModel:
             except Exception:
                 self.metrics.batch_failed(worker.name)
                 raise
-            self.metrics.batch_computed(
-                worker.name, report.compute_s, report.sequences, report.tokens, report.padding_fraction
-            )
+            self.metrics.batch_computed(worker.name, report)
             return [(result, report.compute_s) for result in report.results]
 
         return run

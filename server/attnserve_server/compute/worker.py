@@ -34,6 +34,27 @@ class _PinnedArena:
         return buf[:numel].view(shape)
 
 
+class _CudaPhases:
+    """CUDA events at the batch's phase boundaries on the worker's stream.
+
+    Kernels run asynchronously, so host clocks cannot split a batch: the GPU's own
+    timestamps say how long the attention kernels and the copies back took.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+
+    def mark(self, boundary: int) -> None:
+        """0: inputs staged; 1: attention queued; 2: copies back queued."""
+        self._events[boundary].record(self._stream)
+
+    def seconds(self) -> tuple[float, float]:
+        """(attention, copies back) on the GPU; valid once the stream has synchronized."""
+        e = self._events
+        return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
+
+
 class DeviceWorker:
     """Runs `run(requests) -> BatchReport` on one device, on its own thread (see `executor`)."""
 
@@ -107,6 +128,7 @@ class DeviceWorker:
     def run(self, requests: list[AttentionRequest]) -> BatchReport:
         """Pads, computes and splits one batch. Requests share a BatchKey (the batcher ensures it)."""
         start = time.perf_counter()
+        timer = _CudaPhases(self._stream) if self._stream is not None else None
         first = requests[0]
         n = sum(r.sequences for r in requests)
         length = max(r.query_len for r in requests)
@@ -122,15 +144,23 @@ class DeviceWorker:
                 shared = all(r.value is r.key for r in requests)
                 value = key if shared else self._stage("value", [r.value for r in requests], s)  # type: ignore[misc]
             padding = self._key_padding(requests, n, s)
+            if timer is not None:
+                timer.mark(0)
+            staged = time.perf_counter()
             # 2. compute
             out, weights = self._compute(
                 query, key, value, padding, first.causal, first.need_weights, first.average_weights
             )
+            if timer is not None:
+                timer.mark(1)
+            computed = time.perf_counter()
             # 3. bring results back; the host buffers are reused next batch, so copy out per request
             out_host = self._to_host("output", out)
             weights_host = self._to_host("weights", weights)
             if self._stream is not None:
+                timer.mark(2)  # type: ignore[union-attr]
                 self._stream.synchronize()
+            synced = time.perf_counter()
             results = []
             offset = 0
             for r in requests:
@@ -142,10 +172,21 @@ class DeviceWorker:
                     w = w.clone() if self._cuda else w.contiguous()
                 results.append(AttentionResult(y.clone() if self._cuda else y.contiguous(), w))
                 offset += r.sequences
+        end = time.perf_counter()
+        total = end - start
+        if timer is None:
+            input_s, infer_s, output_s = staged - start, computed - staged, end - computed
+        else:
+            infer_s, copy_back_s = timer.seconds()
+            output_s = copy_back_s + (end - synced)
+            input_s = max(0.0, total - infer_s - output_s)  # host staging, copies in, launch latency
         real = sum(r.sequences * (r.query_len + r.key_len) for r in requests)
         return BatchReport(
             results=results,
-            compute_s=time.perf_counter() - start,
+            compute_s=total,
+            input_s=input_s,
+            infer_s=infer_s,
+            output_s=output_s,
             sequences=n,
             tokens=sum(r.sequences * r.query_len for r in requests),
             padding_fraction=1.0 - real / (n * (length + s)),

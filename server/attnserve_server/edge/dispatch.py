@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import grpc
@@ -21,7 +21,9 @@ from attnserve_server.metrics import ModelMetrics
 from attnserve_server.model import Answer, ServedModel
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")
 R = TypeVar("R")
+_END = object()
 # (the model, the request, its answer, perf_counter() at receipt) -> the edge's response
 Encode = Callable[[ServedModel, AttentionRequest, Answer, float], R]
 
@@ -78,3 +80,30 @@ class Dispatcher:
         finally:
             metrics.inflight.dec()
             metrics.request_done(method, code.name, time.perf_counter() - start)
+
+
+async def answer_concurrently(messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]]) -> AsyncIterator[R]:
+    """A stream's requests run concurrently (and batch together); answers go out as they finish.
+
+    `answer` must not raise for a request's own failure (streams answer those in band).
+    """
+    answers: asyncio.Queue = asyncio.Queue()
+
+    async def one(msg: M) -> None:
+        answers.put_nowait(await answer(msg))
+
+    async def read() -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                async for msg in messages:
+                    group.create_task(one(msg))
+        finally:
+            answers.put_nowait(_END)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await answers.get()) is not _END:
+            yield item
+        await reader
+    finally:
+        reader.cancel()

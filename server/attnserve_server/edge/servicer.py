@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -12,11 +11,9 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.domain import AttentionRequest
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
-from attnserve_server.edge.dispatch import Dispatcher, Encode
+from attnserve_server.edge.dispatch import Dispatcher, Encode, answer_concurrently
 from attnserve_server.errors import ServingError, status_of
 from attnserve_server.model import Answer, ServedModel
-
-_END = object()
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
@@ -67,28 +64,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def AttendStream(
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttendResponse]:
-        # Requests of one stream run concurrently (and batch together); answers go out as they finish.
-        answers: asyncio.Queue = asyncio.Queue()
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
-
-        async def answer(msg: pb.AttendRequest) -> None:
-            answers.put_nowait(await self._answer_in_band(msg, deadline))
-
-        async def read() -> None:
-            try:
-                async with asyncio.TaskGroup() as group:
-                    async for msg in request_iterator:
-                        group.create_task(answer(msg))
-            finally:
-                answers.put_nowait(_END)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await answers.get()) is not _END:
-                yield item
-            await reader
-        finally:
-            reader.cancel()
+        async for response in answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline)):
+            yield response
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,331 @@
+"""KServe v2 / Open Inference Protocol messages <-> domain values.
+
+A model's inputs are named as the native API names them (query, key_value or key
+and value, key_padding_mask or key_lengths); the request parameters causal,
+need_weights and average_weights are bools; outputs are `output` and, when asked,
+`attention_weights`. Every model has max_batch_size > 0, so every tensor's first
+dim is the batch of sequences, as Triton's tools expect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.edge.wire import DTYPE_NAMES, TORCH_DTYPES, WireTensor, build_request, tensor_bytes
+from attnserve_server.errors import InvalidArgument, ModelNotFound
+from attnserve_server.metrics import Duration, InferenceStats
+from attnserve_server.protocol import open_inference_pb2 as v2
+from attnserve_server.settings import ModelSettings
+
+VERSION = "1"  # attnserve serves one version of each model
+PLATFORM = "attnserve"
+OUTPUT, WEIGHTS = "output", "attention_weights"
+FLAGS = ("causal", "need_weights", "average_weights")
+TIMEOUT = "timeout"  # Triton's per-request timeout, microseconds: a deadline
+# Parameters Triton's clients send that change nothing here: one queue priority, and
+# empty final responses, which only decoupled models send (perf_analyzer sets it on every request).
+IGNORED = ("priority", "triton_enable_empty_final_response")
+# Typed `contents` fields by datatype; FP16 and BF16 have none (raw only).
+_TYPED = {"FP32": "fp32_contents", "BOOL": "bool_contents", "INT32": "int_contents", "INT64": "int64_contents"}
+_NUMPY = {"FP32": np.float32, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64}
+_CONFIG_TYPE = {
+    "FP32": v2.TYPE_FP32,
+    "FP16": v2.TYPE_FP16,
+    "BF16": v2.TYPE_BF16,
+    "BOOL": v2.TYPE_BOOL,
+    "INT32": v2.TYPE_INT32,
+    "INT64": v2.TYPE_INT64,
+}
+
+
+def check_version(spec: ModelSpec, version: str) -> None:
+    if version not in ("", VERSION):
+        raise ModelNotFound(f"model_version: model {spec.name!r} has no version {version!r}; it serves {VERSION!r}")
+
+
+@dataclass(frozen=True)
+class Decoded:
+    request: AttentionRequest
+    outputs: tuple[str, ...]  # in the order the response carries them
+    typed: bool  # the inputs came as typed contents: answer the same way
+
+
+def _bool_param(msg: v2.ModelInferRequest, name: str) -> bool | None:
+    if name not in msg.parameters:
+        return None
+    param = msg.parameters[name]
+    kind = param.WhichOneof("parameter_choice")
+    if kind != "bool_param":
+        raise InvalidArgument(f"parameters[{name!r}]: expected bool_param, got {kind or 'no value'}")
+    return param.bool_param
+
+
+def timeout_s(msg: v2.ModelInferRequest) -> float | None:
+    """Triton's `timeout` request parameter (microseconds), as seconds; None when absent."""
+    if TIMEOUT not in msg.parameters:
+        return None
+    param = msg.parameters[TIMEOUT]
+    kind = param.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(f"parameters['timeout']: expected int64_param (microseconds), got {kind or 'no value'}")
+    micros = getattr(param, kind)
+    if micros <= 0:
+        raise InvalidArgument(f"parameters['timeout']: expected a positive number of microseconds, got {micros}")
+    return micros / 1e6
+
+
+def _check_parameters(msg: v2.ModelInferRequest) -> None:
+    for name in msg.parameters:
+        if name not in (*FLAGS, TIMEOUT, *IGNORED):
+            known = ", ".join((*FLAGS, TIMEOUT, *IGNORED))
+            raise InvalidArgument(f"parameters[{name!r}]: not a parameter attnserve reads; it reads {known}")
+
+
+def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[str, ...]:
+    names: list[str] = []
+    for i, out in enumerate(msg.outputs):
+        if out.name not in (OUTPUT, WEIGHTS):
+            raise InvalidArgument(f"outputs[{i}].name: expected {OUTPUT!r} or {WEIGHTS!r}, got {out.name!r}")
+        if out.name in names:
+            raise InvalidArgument(f"outputs[{i}].name: output {out.name!r} is requested twice")
+        if out.parameters:
+            raise InvalidArgument(f"outputs[{i}].parameters: output {out.name!r} takes no parameters")
+        names.append(out.name)
+    return tuple(names)
+
+
+def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes:
+    """The bytes of a tensor sent as typed contents, after checking the field and the element count."""
+    name, datatype = tensor.name, tensor.datatype
+    present = [f.name for f, _ in tensor.contents.ListFields()]
+    where = f"inputs[{i}].contents"
+    if datatype not in TORCH_DTYPES:
+        return b""  # build_request names the datatype it expected
+    field = _TYPED.get(datatype)
+    if field is None:
+        raise InvalidArgument(f"{where}: {datatype} input {name!r} has no typed field; send it in raw_input_contents")
+    wrong = [f for f in present if f != field]
+    if wrong:
+        raise InvalidArgument(f"{where}: {datatype} input {name!r} goes in {field}, got {', '.join(wrong)}")
+    values = getattr(tensor.contents, field)
+    shape = list(tensor.shape)
+    if all(d > 0 for d in shape) and len(values) != math.prod(shape):
+        raise InvalidArgument(
+            f"{where}.{field}: expected {math.prod(shape)} elements for input {name!r} shape {shape}, got {len(values)}"
+        )
+    return np.asarray(values, dtype=np.dtype(_NUMPY[datatype]).newbyteorder("<")).tobytes()
+
+
+def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], bool]:
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents: expected one entry per input ({len(msg.inputs)}), got {len(raw)}; "
+            "send every input raw, or every input as typed contents"
+        )
+    tensors: dict[str, WireTensor] = {}
+    for i, tensor in enumerate(msg.inputs):
+        name = tensor.name
+        if name in tensors:
+            raise InvalidArgument(f"inputs[{i}].name: input {name!r} appears twice")
+        if tensor.parameters:
+            raise InvalidArgument(f"inputs[{i}].parameters: input {name!r} takes no parameters")
+        shape = tuple(tensor.shape)
+        if raw:
+            if tensor.HasField("contents") and tensor.contents.ListFields():
+                raise InvalidArgument(
+                    f"inputs[{i}].contents: input {name!r} has typed contents while the request uses "
+                    "raw_input_contents; send every input one way"
+                )
+            data: bytes = raw[i]
+            field = f"raw_input_contents[{i}] (input {name!r})"
+        else:
+            data = _typed_bytes(i, tensor)
+            field = f"inputs[{i}].contents (input {name!r})"
+        if name == "key_lengths" and len(shape) == 2 and shape[1] == 1:
+            shape = shape[:1]  # [B, 1], the shape its config dims [1] give, or [B]
+        tensors[name] = WireTensor(tensor.datatype, shape, data, field)
+    return tensors, bool(msg.inputs) and not raw
+
+
+def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
+    """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound)."""
+    check_version(spec, msg.model_version)
+    _check_parameters(msg)
+    timeout_s(msg)  # validated here too, so a bad value is counted as this request's error
+    outputs = _requested_outputs(msg)
+    need_weights = _bool_param(msg, "need_weights")
+    if need_weights is False and WEIGHTS in outputs:
+        raise InvalidArgument(f"outputs: {WEIGHTS!r} is requested but parameters['need_weights'] is false")
+    if need_weights is None:
+        need_weights = WEIGHTS in outputs
+    if not outputs:
+        outputs = (OUTPUT, WEIGHTS) if need_weights else (OUTPUT,)
+    tensors, typed = _wire_tensors(msg)
+    query = tensors.get("query")
+    if query is not None and len(query.shape) != 3:
+        raise InvalidArgument(
+            f"query.shape: expected [B, L, E], the batch of sequences first (max_batch_size "
+            f"{spec.max_batch_size}), got {list(query.shape)}"
+        )
+    request = build_request(
+        spec,
+        tensors,
+        causal=bool(_bool_param(msg, "causal")),
+        need_weights=need_weights,
+        average_weights=bool(_bool_param(msg, "average_weights")),
+    )
+    return Decoded(request, outputs, typed)
+
+
+def _output(response: v2.ModelInferResponse, name: str, t: torch.Tensor, typed: bool) -> None:
+    datatype = DTYPE_NAMES[t.dtype]
+    out = response.outputs.add(name=name, datatype=datatype, shape=t.shape)
+    if typed and datatype in _TYPED:
+        getattr(out.contents, _TYPED[datatype]).extend(t.reshape(-1).tolist())
+    else:
+        response.raw_output_contents.append(tensor_bytes(t))
+
+
+def encode(
+    spec: ModelSpec,
+    msg: v2.ModelInferRequest,
+    decoded: Decoded,
+    output: torch.Tensor,
+    weights: torch.Tensor | None,
+    timing: dict[str, int],
+) -> v2.ModelInferResponse:
+    response = v2.ModelInferResponse(model_name=spec.name, model_version=VERSION, id=msg.id)
+    for key, value in timing.items():
+        response.parameters[key].int64_param = value
+    for name in decoded.outputs:
+        if name == OUTPUT:
+            _output(response, name, output, decoded.typed)
+        elif weights is not None:
+            # Averaged weights [B, L, S] go out as [B, 1, L, S]: one rank for both forms.
+            _output(response, name, weights if weights.dim() == 4 else weights.unsqueeze(1), decoded.typed)
+    return response
+
+
+# -- metadata and configuration ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    datatype: str
+    dims: tuple[int, ...]  # without the batch dimension
+    optional: bool = False
+    reshape: tuple[int, ...] | None = None
+
+
+def _inputs(spec: ModelSpec) -> list[_Tensor]:
+    dt = DTYPE_NAMES[spec.dtype]
+    seq = [_Tensor("query", dt, (-1, spec.embed_dim))]
+    if spec.kind is ModelKind.SDPA:
+        seq += [_Tensor("key", dt, (-1, spec.kdim)), _Tensor("value", dt, (-1, spec.vdim))]
+    else:
+        optional = spec.self_attention  # otherwise key and value are required
+        if spec.kdim == spec.vdim:
+            seq.append(_Tensor("key_value", dt, (-1, spec.kdim), optional=True))
+        seq += [
+            _Tensor("key", dt, (-1, spec.kdim), optional=optional or spec.kdim == spec.vdim),
+            _Tensor("value", dt, (-1, spec.vdim), optional=optional or spec.kdim == spec.vdim),
+        ]
+    return [
+        *seq,
+        _Tensor("key_padding_mask", "BOOL", (-1,), optional=True),
+        _Tensor("key_lengths", "INT64", (1,), optional=True, reshape=()),
+    ]
+
+
+def _outputs(spec: ModelSpec) -> list[_Tensor]:
+    dt = DTYPE_NAMES[spec.dtype]
+    # attention_weights: [heads, L, S], heads = num_heads or 1 when averaged.
+    return [_Tensor(OUTPUT, dt, (-1, spec.output_dim)), _Tensor(WEIGHTS, dt, (-1, -1, -1), optional=True)]
+
+
+def model_metadata(spec: ModelSpec) -> v2.ModelMetadataResponse:
+    def meta(t: _Tensor) -> v2.ModelMetadataResponse.TensorMetadata:
+        return v2.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=(-1, *t.dims))
+
+    return v2.ModelMetadataResponse(
+        name=spec.name,
+        versions=[VERSION],
+        platform=PLATFORM,
+        inputs=[meta(t) for t in _inputs(spec)],
+        outputs=[meta(t) for t in _outputs(spec)],
+    )
+
+
+def model_config(spec: ModelSpec, settings: ModelSettings, devices: list[str]) -> v2.ModelConfig:
+    b = settings.batching
+    config = v2.ModelConfig(
+        name=spec.name,
+        platform=PLATFORM,
+        backend=PLATFORM,
+        max_batch_size=spec.max_batch_size,
+        dynamic_batching=v2.ModelDynamicBatching(
+            max_queue_delay_microseconds=round(b.max_queue_delay_ms * 1000),
+            default_queue_policy=v2.ModelQueuePolicy(max_queue_size=b.max_queue_size),
+        ),
+        model_transaction_policy=v2.ModelTransactionPolicy(decoupled=False),
+    )
+    for t in _inputs(spec):
+        config.input.add(name=t.name, data_type=_CONFIG_TYPE[t.datatype], dims=t.dims, optional=t.optional)
+        if t.reshape is not None:
+            config.input[-1].reshape.shape[:] = t.reshape
+    for t in _outputs(spec):
+        config.output.add(name=t.name, data_type=_CONFIG_TYPE[t.datatype], dims=t.dims)
+    gpus = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+    if gpus:
+        config.instance_group.add(name=f"{spec.name}_gpu", kind=v2.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus)
+    if "cpu" in devices:
+        config.instance_group.add(name=f"{spec.name}_cpu", kind=v2.ModelInstanceGroup.KIND_CPU, count=1)
+    params = {
+        "kind": spec.kind.value,
+        "embed_dim": spec.embed_dim,
+        "num_heads": spec.num_heads,
+        "kdim": spec.kdim,
+        "vdim": spec.vdim,
+        "dtype": settings.dtype,
+        "max_query_len": spec.max_query_len,
+        "max_key_len": spec.max_key_len,
+        "max_batch_tokens": spec.max_batch_tokens,
+    }
+    for key, value in params.items():
+        config.parameters[key].string_value = str(value)
+    return config
+
+
+def _duration(out: v2.StatisticDuration, d: Duration) -> None:
+    out.count, out.ns = d.count, d.ns
+
+
+def model_statistics(spec: ModelSpec, stats: InferenceStats) -> v2.ModelStatistics:
+    out = v2.ModelStatistics(
+        name=spec.name,
+        version=VERSION,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+    )
+    s = out.inference_stats
+    _duration(s.success, stats.success)
+    _duration(s.fail, stats.fail)
+    _duration(s.queue, stats.queue)
+    _duration(s.compute_input, stats.compute.input)
+    _duration(s.compute_infer, stats.compute.infer)
+    _duration(s.compute_output, stats.compute.output)
+    for size in sorted(stats.by_batch_size):
+        phases = stats.by_batch_size[size]
+        b = out.batch_stats.add(batch_size=size)
+        _duration(b.compute_input, phases.input)
+        _duration(b.compute_infer, phases.infer)
+        _duration(b.compute_output, phases.output)
+    return out

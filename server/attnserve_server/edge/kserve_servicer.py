@@ -1,0 +1,148 @@
+"""inference.GRPCInferenceService (KServe v2 / Open Inference Protocol): the second edge.
+
+Same dispatcher, batcher, workers, metrics and error messages as the native API;
+only the message formats differ (edge/kserve.py converts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from importlib import metadata
+
+import grpc
+
+from attnserve_server.domain import AttentionRequest
+from attnserve_server.edge import kserve
+from attnserve_server.edge.dispatch import Dispatcher, answer_concurrently
+from attnserve_server.errors import ServingError, status_of
+from attnserve_server.model import Answer, ServedModel
+from attnserve_server.protocol import open_inference_pb2 as v2
+from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
+
+SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+EXTENSIONS = ("model_configuration", "statistics", "parameters")
+
+
+def _server_version() -> str:
+    try:
+        return metadata.version("attnserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatch = dispatcher
+        self._version = _server_version()
+
+    async def _model(self, name: str, version: str, context: grpc.aio.ServicerContext) -> ServedModel:
+        try:
+            served = self._dispatch.model(name)
+            kserve.check_version(served.spec, version)
+        except ServingError as error:
+            await context.abort(error.code, error.message)
+            raise
+        return served
+
+    # -- health and metadata ---------------------------------------------------------------
+
+    async def ServerLive(self, request: v2.ServerLiveRequest, context) -> v2.ServerLiveResponse:
+        return v2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: v2.ServerReadyRequest, context) -> v2.ServerReadyResponse:
+        return v2.ServerReadyResponse(ready=all(m.ready for m in self._dispatch.models.values()))
+
+    async def ModelReady(self, request: v2.ModelReadyRequest, context) -> v2.ModelReadyResponse:
+        served = await self._model(request.name, request.version, context)
+        return v2.ModelReadyResponse(ready=served.ready)
+
+    async def ServerMetadata(self, request: v2.ServerMetadataRequest, context) -> v2.ServerMetadataResponse:
+        return v2.ServerMetadataResponse(name="attnserve", version=self._version, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: v2.ModelMetadataRequest, context) -> v2.ModelMetadataResponse:
+        served = await self._model(request.name, request.version, context)
+        return kserve.model_metadata(served.spec)
+
+    async def ModelConfig(self, request: v2.ModelConfigRequest, context) -> v2.ModelConfigResponse:
+        served = await self._model(request.name, request.version, context)
+        return v2.ModelConfigResponse(config=kserve.model_config(served.spec, served.settings, served.devices))
+
+    async def ModelStatistics(self, request: v2.ModelStatisticsRequest, context) -> v2.ModelStatisticsResponse:
+        if request.name:
+            models = [await self._model(request.name, request.version, context)]
+        else:
+            models = list(self._dispatch.models.values())
+        return v2.ModelStatisticsResponse(
+            model_stats=[kserve.model_statistics(m.spec, m.metrics.stats) for m in models]
+        )
+
+    async def RepositoryIndex(self, request: v2.RepositoryIndexRequest, context) -> v2.RepositoryIndexResponse:
+        response = v2.RepositoryIndexResponse()
+        for served in self._dispatch.models.values():
+            if served.ready or not request.ready:
+                state = "READY" if served.ready else "UNAVAILABLE"
+                response.models.add(name=served.spec.name, version=kserve.VERSION, state=state)
+        return response
+
+    # -- inference -------------------------------------------------------------------------
+
+    def _deadline(self, msg: v2.ModelInferRequest, context: grpc.aio.ServicerContext) -> float | None:
+        """The earlier of the call's deadline and the request's `timeout` parameter."""
+        deadline = self._dispatch.deadline(context)
+        timeout = kserve.timeout_s(msg)
+        if timeout is not None:
+            own = asyncio.get_running_loop().time() + timeout
+            deadline = own if deadline is None else min(deadline, own)
+        return deadline
+
+    async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse:
+        decoded: kserve.Decoded | None = None
+
+        def decode(served: ServedModel) -> AttentionRequest:
+            nonlocal decoded
+            decoded = kserve.decode(msg, served.spec)
+            return decoded.request
+
+        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, start: float):
+            timing = {
+                "queue_ns": int(answer.queue_s * 1e9),
+                "compute_ns": int(answer.compute_s * 1e9),
+                "batch_size": answer.batch_size,
+                "batch_sequences": answer.batch_sequences,
+            }
+            assert decoded is not None
+            return kserve.encode(served.spec, msg, decoded, answer.result.output, answer.result.weights, timing)
+
+        try:
+            deadline = self._deadline(msg, context)
+        except ServingError:
+            deadline = None  # a bad `timeout` parameter: decode() raises it inside handle(), where it is counted
+        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode)
+
+    async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:
+        try:
+            return await self._infer(request, "ModelInfer", context)
+        except Exception as exc:
+            code, message = status_of(exc)
+            await context.abort(code, message)
+            raise  # unreachable: abort raises
+
+    async def _infer_in_band(self, msg: v2.ModelInferRequest, context) -> v2.ModelStreamInferResponse:
+        try:
+            return v2.ModelStreamInferResponse(infer_response=await self._infer(msg, "ModelStreamInfer", context))
+        except Exception as exc:
+            code, message = status_of(exc)
+            failed = v2.ModelInferResponse(model_name=msg.model_name, model_version=msg.model_version, id=msg.id)
+            failed.parameters["error_code"].string_param = code.name
+            return v2.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[v2.ModelStreamInferResponse]:
+        async for response in answer_concurrently(request_iterator, lambda m: self._infer_in_band(m, context)):
+            yield response
+
+
+def add_to_server(dispatcher: Dispatcher, server: grpc.aio.Server) -> None:
+    v2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dispatcher), server)
