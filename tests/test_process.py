@@ -238,3 +238,29 @@ def test_a_real_prometheus_scrapes_the_metrics_port(default_server: Running, tmp
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+PERF_ANALYZER = Path(__file__).resolve().parent.parent / ".cache" / "perf-venv" / "bin" / "perf_analyzer"
+
+
+@pytest.mark.skipif(
+    not PERF_ANALYZER.exists(), reason="perf_analyzer not set up (scripts/perf_analyzer.sh --setup; .ci/run does it)"
+)
+def test_perf_analyzer_drives_the_kserve_api_and_reads_server_statistics(tmp_path: Path) -> None:
+    out = tmp_path / "pa.json"
+    r = run_cli(
+        *("bench", "--perf-analyzer", str(PERF_ANALYZER), "--pa-modes", "sync,async", "--concurrency", "1,4"),
+        *("--duration-s", "0.5", "--seq-len", "8", "--embed-dim", "64", "--num-heads", "4", "--causal"),
+        *("--no-inprocess", "--json", str(out)),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["server"].split()[0], row["concurrency"]) for row in rows] == [
+        ("pa-sync", 1),
+        ("pa-sync", 4),
+        ("pa-async", 1),
+        ("pa-async", 4),
+    ]
+    # requests and errors are the server's own counts over each run (ModelStatistics).
+    assert all(row["requests"] > 0 and row["errors"] == 0 and row["throughput_rps"] > 0 for row in rows)
+    assert "Server: " in r.stderr and "Successful request count" in r.stderr  # perf_analyzer read the statistics

@@ -49,6 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also load a bare gRPC server that echoes the query (no queue, no compute): the transport floor",
     )
     p.add_argument("--inprocess-s", type=float, default=3.0, help="seconds per in-process measurement (default 3)")
+    p.add_argument(
+        "--perf-analyzer",
+        metavar="PATH",
+        help="drive the load with Triton's perf_analyzer (this binary) over the KServe v2 API instead of the "
+        "built-in client; it reports the server-side statistics too (scripts/perf_analyzer.sh sets it up)",
+    )
+    p.add_argument(
+        "--pa-modes",
+        default="sync,async",
+        help="with --perf-analyzer: comma list of sync, async, streaming (default sync,async)",
+    )
     g = p.add_argument_group("server started by bench (ignored with --target)")
     g.add_argument("--kind", default="mha")
     g.add_argument("--embed-dim", type=int, default=256)
@@ -370,7 +381,7 @@ def _machine() -> dict[str, Any]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'server':<18} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'server':<26} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'batch':>6} {'in-proc req/s':>14} {'ratio':>6} {'errors':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -378,7 +389,7 @@ def _table(rows: list[Row]) -> str:
         inproc = f"{r.inprocess_rps:.1f} @{r.inprocess_batch}" if r.inprocess_rps else "-"
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
         lines.append(
-            f"{r.server:<18} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
+            f"{r.server:<26} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
             f"{r.p99_ms:>8.3f} {r.mean_batch:>6.1f} {inproc:>14} {ratio:>6} {r.errors:>6}"
         )
     return "\n".join(lines)
@@ -407,9 +418,18 @@ def run(args: argparse.Namespace) -> int:
             inputs = _inputs(info, args)
             if args.floor and echo is None:
                 echo = _start_echo(target, args.model)
-            for level in levels:
-                rows.append(_run_level(target, inputs, level, args, label))
-                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+            if args.perf_analyzer:
+                from attnserve_server import perf_analyzer
+
+                data = perf_analyzer.input_data(inputs, info.dtype)
+                for mode in args.pa_modes.split(","):
+                    for level in levels:
+                        rows.append(perf_analyzer.run_level(target, data, inputs, level, mode, args, label))
+                        print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+            else:
+                for level in levels:
+                    rows.append(_run_level(target, inputs, level, args, label))
+                    print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
         finally:
             if proc is not None:
                 _stop_server(proc)

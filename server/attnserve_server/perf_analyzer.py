@@ -1,0 +1,125 @@
+"""`attnserve bench --perf-analyzer`: Triton's perf_analyzer as the load generator, over KServe v2.
+
+perf_analyzer is NVIDIA's C++ load generator; it speaks KServe v2 with `--service-kind=triton`,
+reads the model's metadata and config, and reports the server-side statistics it reads from
+ModelStatistics. Each level runs one perf_analyzer process; its own report goes to stderr, and
+the CSV it writes becomes one bench row. The mean batch comes from the server's statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from attnserve._codec import float32_to_bfloat16_bits
+from attnserve_server.protocol import open_inference_pb2 as v2
+from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
+
+_INPUTS = ("query", "key_value", "key", "value")
+
+
+def input_data(inputs: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """perf_analyzer's --input-data JSON: one sequence per input (it adds the batch dim, -b), as raw b64."""
+    entry = {}
+    for name in _INPUTS:
+        array = inputs.get(name)
+        if array is None:
+            continue
+        one = np.ascontiguousarray(array[0], dtype=np.float32)
+        raw = float32_to_bfloat16_bits(one).tobytes() if dtype == "bfloat16" else one.astype(dtype).tobytes()
+        entry[name] = {"b64": base64.b64encode(raw).decode(), "shape": list(one.shape)}
+    return {"data": [entry]}
+
+
+def _env(binary: str) -> dict[str, str]:
+    """perf_analyzer links the CUDA runtime even on a CPU machine: nvidia-cuda-runtime-cu12 in its venv."""
+    env = dict(os.environ)
+    venv = Path(binary).resolve().parent.parent
+    libs = glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _statistics(target: str, model: str) -> v2.ModelStatistics:
+    with grpc.insecure_channel(target) as channel:
+        stub = v2_grpc.GRPCInferenceServiceStub(channel)
+        return stub.ModelStatistics(v2.ModelStatisticsRequest(name=model), timeout=30).model_stats[0]
+
+
+def command(
+    binary: str, target: str, model: str, data_path: str, csv_path: str, concurrency: int, mode: str, args
+) -> list[str]:
+    cmd = [
+        binary,
+        *("-m", model, "-u", target, "-i", "grpc", "--service-kind=triton"),
+        *("--input-data", data_path, "-b", str(args.batch)),
+        *("--concurrency-range", f"{concurrency}:{concurrency}"),
+        *("--measurement-interval", str(int(args.duration_s * 1000))),
+        # This machine is noisy: accept 50% spread between windows, and stop after 5 tries.
+        *("--stability-percentage", "50", "--max-trials", "5", "-f", csv_path),
+    ]
+    if mode == "async":
+        cmd.append("--async")
+    elif mode == "streaming":
+        cmd.append("--streaming")
+    elif mode != "sync":
+        raise ValueError(f"--pa-modes: expected sync, async or streaming, got {mode!r}")
+    if args.causal:
+        cmd += ["--request-parameter", "causal:true:bool"]
+    return cmd
+
+
+def run_level(
+    target: str,
+    data: dict[str, Any],
+    inputs: dict[str, Any],
+    concurrency: int,
+    mode: str,
+    args: argparse.Namespace,
+    label: str,
+):
+    from attnserve_server.bench import Row
+
+    model = inputs["model"]
+    with tempfile.TemporaryDirectory(prefix="attnserve-pa-") as tmp:
+        data_path, csv_path = os.path.join(tmp, "input.json"), os.path.join(tmp, "report.csv")
+        with open(data_path, "w") as f:
+            json.dump(data, f)
+        before = _statistics(target, model)
+        cmd = command(args.perf_analyzer, target, model, data_path, csv_path, concurrency, mode, args)
+        print(f"  $ {' '.join(cmd)}", file=sys.stderr)
+        done = subprocess.run(cmd, env=_env(args.perf_analyzer), capture_output=True, text=True)
+        sys.stderr.write(done.stdout)
+        if done.returncode != 0:
+            raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+        after = _statistics(target, model)
+        with open(csv_path) as f:
+            row = next(csv.DictReader(f))
+    ok = after.inference_stats.success.count - before.inference_stats.success.count
+    failed = after.inference_stats.fail.count - before.inference_stats.fail.count
+    executions = after.execution_count - before.execution_count
+    per_second = float(row["Inferences/Second"]) / args.batch  # perf_analyzer counts sequences
+    return Row(
+        server=f"pa-{mode} {label}",
+        concurrency=concurrency,
+        requests=ok,
+        errors=failed,
+        throughput_rps=per_second,
+        p50_ms=float(row["p50 latency"]) / 1e3,
+        p90_ms=float(row["p90 latency"]) / 1e3,
+        p99_ms=float(row["p99 latency"]) / 1e3,
+        mean_batch=ok / executions if executions else 0.0,
+    )
