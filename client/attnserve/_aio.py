@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options
+from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options, resolve_target
 from attnserve._codec import decode_model, decode_response, encode_request
 from attnserve._errors import translate_errors
 from attnserve._sync import _stream_ids
@@ -23,7 +23,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         timeout_s: float | None = None,
         wait_for_ready: bool = False,
@@ -32,6 +32,7 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
+        target = resolve_target(target)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options)
             if credentials is not None

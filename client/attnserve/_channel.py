@@ -1,8 +1,11 @@
-"""Channel settings shared by both clients: message limits and a retry service config."""
+"""Channel settings shared by both clients: targets, message limits, load balancing, retries."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
+from collections.abc import Sequence
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # Matches the server's default, so real tensors (and attention matrices) fit.
@@ -21,27 +24,62 @@ _RETRY_POLICY = {
 }
 
 
+def _split_host_port(address: str) -> tuple[str, str]:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"target: expected host:port, got {address!r}")
+    return host.strip("[]"), port
+
+
+def resolve_target(target: str | Sequence[str]) -> str:
+    """A gRPC target for one address, a target URI, or several addresses to balance over.
+
+    A single "host:port" or URI ("dns:///attnserve-headless:50051", "ipv4:...", "unix:...")
+    passes through. Several addresses (a list, or one string with commas) become one
+    "ipv4:" or "ipv6:" target, which gRPC balances round-robin; host names among them are
+    resolved here, once (for membership that changes, give a dns:/// name instead).
+    """
+    addresses = target.split(",") if isinstance(target, str) else list(target)
+    if not addresses or not all(a.strip() for a in addresses):
+        raise ValueError(f"target: expected an address, a target URI or several addresses, got {target!r}")
+    if len(addresses) == 1:
+        return addresses[0].strip()
+    v4: list[str] = []
+    v6: list[str] = []
+    for address in addresses:
+        host, port = _split_host_port(address)
+        try:
+            ips = [ipaddress.ip_address(host)]
+        except ValueError:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            ips = [ipaddress.ip_address(info[4][0]) for info in infos]
+        for ip in dict.fromkeys(ips):
+            (v4 if ip.version == 4 else v6).append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")
+    # One URI holds one address family: IPv4 when there is any, as most clusters are.
+    return "ipv4:" + ",".join(v4) if v4 else "ipv6:" + ",".join(v6)
+
+
 def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, object]]:
-    """gRPC channel options: message limits and, when enabled, UNAVAILABLE retried by gRPC itself."""
+    """gRPC channel options: message limits, round-robin over every address the target resolves to,
+    and, when enabled, UNAVAILABLE retried by gRPC itself (on the next address)."""
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1 if retries else 0),
         ("grpc.http2.lookahead_bytes", min(max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
     ]
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     if retries:
-        config = {
-            "methodConfig": [
-                {
-                    "name": [
-                        {"service": "attnserve.v1.AttentionService"},
-                        {"service": "grpc.health.v1.Health"},
-                    ],
-                    "retryPolicy": _RETRY_POLICY,
-                }
-            ]
-        }
-        options.append(("grpc.service_config", json.dumps(config)))
+        config["methodConfig"] = [
+            {
+                "name": [
+                    {"service": "attnserve.v1.AttentionService"},
+                    {"service": "grpc.health.v1.Health"},
+                ],
+                "retryPolicy": _RETRY_POLICY,
+            }
+        ]
+    options.append(("grpc.service_config", json.dumps(config)))
     return options
 
 

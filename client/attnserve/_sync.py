@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options
+from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options, resolve_target
 from attnserve._codec import as_request, decode_model, decode_response, encode_request
 from attnserve._errors import translate_errors
 from attnserve._types import AttendResult, ModelInfo, Request
@@ -28,14 +28,17 @@ def _stream_ids(requests: Iterable[Request | Mapping[str, Any]]) -> Iterator[pb.
 class Client:
     """Blocking client: numpy in, numpy out. Use as a context manager or call close().
 
-    `timeout_s` is the default deadline per call (None: no deadline); `wait_for_ready`
-    makes calls wait for the server instead of failing fast while it is unreachable;
+    `target` is "host:port", a gRPC target URI ("dns:///attnserve-headless:50051"), or several
+    addresses (a list, or commas): calls go round-robin over every address, and a call refused
+    UNAVAILABLE is retried on another. `timeout_s` is the default deadline per call (None: no
+    deadline); `wait_for_ready` makes calls wait for the server instead of failing fast while it
+    is unreachable;
     `retries` lets gRPC retry UNAVAILABLE with backoff (a service config, not a loop here).
     """
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         timeout_s: float | None = None,
         wait_for_ready: bool = False,
@@ -44,6 +47,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
+        target = resolve_target(target)
         self._channel = (
             grpc.secure_channel(target, credentials, options)
             if credentials is not None

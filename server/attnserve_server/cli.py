@@ -57,11 +57,37 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline (default 30)")
 
 
+def _add_health(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "health",
+        help="ask a server's grpc.health.v1 service; exit 0 when SERVING (container and probe checks)",
+        description="Check a server's health over grpc.health.v1. Prints the status; exits 0 when it is "
+        "SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable).",
+    )
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    p.add_argument("--service", default="", help="'' for the server (default), a service or a model name")
+    p.add_argument("--timeout-s", type=float, default=3.0, help="deadline (default 3)")
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from attnserve import AttnServeError, Client
+
+    with Client(args.target, timeout_s=args.timeout_s, retries=False) as client:
+        try:
+            status = client.health(args.service)
+        except AttnServeError as exc:
+            print(f"{exc.code.name}: {exc.message}", file=sys.stderr)
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_infer(sub)
+    _add_health(sub)
     from attnserve_server.bench import add_parser as add_bench
 
     add_bench(sub)
@@ -213,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args)
     if args.command == "infer":
         return cmd_infer(args)
+    if args.command == "health":
+        return cmd_health(args)
     from attnserve_server.bench import run as run_bench
 
     return run_bench(args)

@@ -121,6 +121,12 @@ class Metrics:
             ["model"],
             registry=registry,
         )
+        self.queue_capacity = Gauge(
+            "attnserve_queue_capacity",
+            "The most requests the model's queue holds (max_queue_size); more are refused.",
+            ["model"],
+            registry=registry,
+        )
         self.inflight = Gauge(
             "attnserve_inflight_requests",
             "Requests being handled: received and not yet answered.",
@@ -209,8 +215,9 @@ class ModelMetrics:
         for child in self._dropped.values():
             child.inc(0)
 
-    def describe(self, **info: str) -> None:
+    def describe(self, queue_capacity: int, **info: str) -> None:
         self._metrics.model_info.labels(self.model).info(info)
+        self._metrics.queue_capacity.labels(self.model).set(queue_capacity)
 
     # BatchObserver
     def queue_depth(self, depth: int) -> None:

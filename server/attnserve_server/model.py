@@ -85,6 +85,7 @@ class ServedModel:
         self._batcher = Batcher([self._runner(w) for w in self._workers], limits, self.metrics)
         self._batcher.start()
         self.metrics.describe(
+            queue_capacity=b.max_queue_size,
             kind=self.spec.kind.value,
             dtype=self.settings.dtype,
             devices=",".join(self.devices),

@@ -1,0 +1,88 @@
+"""Client-side load balancing: several addresses, round-robin, and a server that leaves mid-run."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+
+from attnserve import AsyncClient, Client
+from attnserve._channel import resolve_target
+
+from conftest import Running, model, running, settings
+
+E = 16
+
+
+def served(handle: Running) -> float:
+    return handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK")
+
+
+def test_several_addresses_become_one_balanced_target() -> None:
+    assert resolve_target("10.0.0.1:50051") == "10.0.0.1:50051"
+    assert resolve_target("dns:///attnserve-headless.ml.svc:50051") == "dns:///attnserve-headless.ml.svc:50051"
+    assert resolve_target(["10.0.0.1:1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert resolve_target("10.0.0.1:1, 10.0.0.2:2") == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert resolve_target(["[::1]:1", "[::2]:2"]) == "ipv6:[::1]:1,[::2]:2"
+    assert resolve_target(["localhost:7", "127.0.0.1:8"]).startswith("ipv4:127.0.0.1:7,")
+    with pytest.raises(ValueError, match="expected host:port"):
+        resolve_target(["10.0.0.1", "10.0.0.2:2"])
+
+
+def test_three_servers_share_the_load_and_one_leaving_mid_run_loses_no_call() -> None:
+    x = np.random.default_rng(0).standard_normal((4, E)).astype(np.float32)
+    config = settings(model(embed_dim=E, num_heads=2))
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(running(config)) for _ in range(3)]
+        with Client([h.target for h in handles], timeout_s=30, wait_for_ready=True) as client:
+            for h in handles:
+                with Client(h.target, timeout_s=10) as one:
+                    assert one.health() == "SERVING"
+            for _ in range(90):
+                client.attend(x)
+            shares = [served(h) for h in handles]
+            assert sum(shares) == 90
+            assert all(share >= 20 for share in shares), shares  # fair: 30 each when all are ready
+
+            # Stop one server while calls keep coming: every call must still succeed.
+            done = threading.Event()
+            answered = 0
+            errors: list[BaseException] = []
+
+            def load() -> None:
+                nonlocal answered
+                try:
+                    while not done.is_set() or answered < 60:
+                        client.attend(x)
+                        answered += 1
+                        if answered >= 150:
+                            break
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            worker = threading.Thread(target=load)
+            worker.start()
+            handles[0].wait_for(lambda: served(handles[0]) >= shares[0] + 5)
+            handles[1].call(handles[1].server.stop(2.0))
+            done.set()
+            worker.join(60)
+            assert not worker.is_alive() and errors == []
+            after = [served(h) for h in (handles[0], handles[2])]
+            assert sum(after) - shares[0] - shares[2] > 0  # the others took the rest
+
+
+def test_the_async_client_balances_too() -> None:
+    import asyncio
+
+    x = np.random.default_rng(1).standard_normal((4, E)).astype(np.float32)
+    config = settings(model(embed_dim=E, num_heads=2))
+    with running(config) as a, running(config) as b:
+
+        async def main() -> None:
+            async with AsyncClient(f"{a.target},{b.target}", timeout_s=30, wait_for_ready=True) as client:
+                await asyncio.gather(*(client.attend(x) for _ in range(40)))
+
+        asyncio.run(main())
+        assert served(a) + served(b) == 40 and served(a) > 0 and served(b) > 0
