@@ -420,6 +420,42 @@ def test_the_timeout_parameter_is_a_deadline() -> None:
         c.close()
 
 
+def test_a_full_queue_is_resource_exhausted() -> None:
+    # Batches wait a minute for company and the queue holds one request.
+    config = settings(model(embed_dim=E, num_heads=H, max_queue_delay_ms=60_000, max_queue_size=1))
+    with running(config) as handle:
+        c = tc.InferenceServerClient(handle.target)
+        held: queue.Queue = queue.Queue()
+        c.async_infer(
+            "default", [infer_input("query", x(1, 3, E))], callback=lambda result, error: held.put((result, error))
+        )
+        handle.wait_for(lambda: handle.sample("attnserve_queue_depth", model="default") == 1)
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("default", [infer_input("query", x(1, 3, E))])
+        assert status_of(err) == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "queue is full" in err.value.message()
+        handle.call(handle.server.stop(5.0))  # the drain answers the held request
+        result, error = held.get(timeout=30)
+        assert error is None and result.as_numpy("output").shape == (1, 3, E)
+        c.close()
+
+
+def test_a_failing_batch_is_internal_and_the_server_keeps_serving() -> None:
+    from test_server import FailingWorker
+
+    with running(settings(model(embed_dim=E, num_heads=H, max_batch_size=1)), worker_factory=FailingWorker) as handle:
+        c = tc.InferenceServerClient(handle.target)
+        bad = x(1, 3, E)
+        bad[0, 0, 0] = 1234.0  # FailingWorker's injected fault
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("default", [infer_input("query", bad)])
+        assert status_of(err) == "StatusCode.INTERNAL"
+        assert c.infer("default", [infer_input("query", x(1, 3, E))]).as_numpy("output").shape == (1, 3, E)
+        stats = c.get_inference_statistics("default").model_stats[0].inference_stats
+        assert (stats.success.count, stats.fail.count) == (1, 1)
+        c.close()
+
+
 # -- streaming and asyncio -------------------------------------------------------------------
 
 
