@@ -124,6 +124,18 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     )
 
 
+def test_health_exits_0_only_when_serving(default_server: Running) -> None:
+    r = run_cli("health", "--target", default_server.target, "--service", "bare")
+    assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
+    r = run_cli("health", "--target", default_server.target, "--service", "nope")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there
+    r = run_cli("health", "--target", f"127.0.0.1:{closed}", "--timeout-s", "1")
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
 def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_path: Path) -> None:
     out = tmp_path / "y.npy"
     r = run_cli(
