@@ -192,6 +192,7 @@ smoke() {
   # Docker's image format: OCI images have no HEALTHCHECK.
   podman build -q --format docker --network none --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/Dockerfile -t "$IMAGE" . >/dev/null
   rm -f deploy/wheels/*.whl
+  podman image prune -f >/dev/null # the build stage's layers
   echo "built $IMAGE in $(($(date +%s) - t0)) s; size $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
 
   local port metrics name=attnserve-smoke grace=10 prom_dir prom_pid=""
