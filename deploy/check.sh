@@ -89,6 +89,23 @@ for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
 print("ok:", ", ".join(kinds))
 EOF
   done
+  step "helm template with the optional parts switched the other way | kubernetes-validate --strict"
+  "$HELM" template attnserve "$chart" --namespace ml --set autoscaling.enabled=false \
+    --set serviceMonitor.enabled=false --set podDisruptionBudget.enabled=false --set headless.enabled=false \
+    --set serviceAccount.create=false --set shutdown.preStopSleepSeconds=0 \
+    --set weights.volume.persistentVolumeClaim.claimName=attnserve-weights >"$out/other.yaml"
+  "$TOOLS/bin/kubernetes-validate" --strict --quiet "$out/other.yaml"
+  grep -q "claimName: attnserve-weights" "$out/other.yaml" || { echo "no weights volume" >&2; return 1; }
+  if grep -q "kind: HorizontalPodAutoscaler" "$out/other.yaml"; then
+    echo "autoscaling.enabled=false still rendered an HPA" >&2
+    return 1
+  fi
+  if "$HELM" template attnserve "$chart" --set shutdown.terminationGracePeriodSeconds=20 >/dev/null 2>&1; then
+    echo "the chart accepted a grace period shorter than the drain" >&2
+    return 1
+  fi
+  echo "ok"
+
   step "KServe InferenceService: its container, validated as a Pod's"
   "$TOOLS/bin/python" - deploy/kserve/inferenceservice.yaml "$out/kserve-pod.yaml" <<'EOF'
 import sys, yaml
@@ -209,9 +226,10 @@ smoke() {
   step "podman run (host network: gRPC :$port, metrics :$metrics)"
   # No health timers (they need systemd, absent here): `podman healthcheck run` below runs the
   # image's HEALTHCHECK once, inside the container.
+  # Batches wait up to 8 s for company, so the drain test below has a request to finish.
   podman run -d --name "$name" --network host --health-interval disable \
     -e ATTNSERVE_PORT="$port" -e ATTNSERVE_METRICS_PORT="$metrics" -e ATTNSERVE_GRACE_S="$grace" \
-    "$IMAGE" --embed-dim 64 --num-heads 4 >/dev/null
+    "$IMAGE" --embed-dim 64 --num-heads 4 --max-queue-delay-ms 8000 >/dev/null
   local deadline=$((SECONDS + 180))
   until "$VENV/bin/attnserve" health --target "127.0.0.1:$port" >/dev/null 2>&1; do
     if [ $SECONDS -gt $deadline ] || [ "$(podman inspect --format '{{.State.Running}}' "$name")" != true ]; then
@@ -250,7 +268,14 @@ EOF
   done
   echo "PromQL $query = $answer"
 
-  step "podman stop: drains and exits 0 within the grace period"
+  step "podman stop with a request in flight: it is answered, and the server exits 0 within the grace period"
+  "$VENV/bin/attnserve" infer --target "127.0.0.1:$port" --seq-len 8 >"$prom_dir/held.log" 2>&1 &
+  local held=$!
+  deadline=$((SECONDS + 30))
+  until curl -fsS "http://127.0.0.1:$metrics/metrics" | grep -q '^attnserve_queue_depth{model="default"} 1.0$'; do
+    [ $SECONDS -gt $deadline ] && { echo "smoke: the request never reached the queue" >&2; return 1; }
+    sleep 0.2
+  done
   t0=$(date +%s.%N)
   podman stop -t $((grace + 5)) "$name" >/dev/null
   local took code
@@ -259,6 +284,9 @@ EOF
   echo "stopped in ${took} s, exit code $code"
   podman logs "$name" 2>&1 | tail -3
   [ "$code" = 0 ] || { echo "smoke: exit code $code, expected 0" >&2; return 1; }
+  wait "$held" || { cat "$prom_dir/held.log" >&2; echo "smoke: the request in flight failed" >&2; return 1; }
+  grep -q '^output: shape \[1, 8, 64\]' "$prom_dir/held.log"
+  echo "the request in flight was answered: $(grep '^timing' "$prom_dir/held.log")"
   python3 -c "import sys; sys.exit(0 if $took < $grace else 1)" || { echo "smoke: stop took ${took} s (grace ${grace} s)" >&2; return 1; }
   echo "ok"
 }
@@ -266,6 +294,9 @@ EOF
 case "${1:-all}" in
   lint) lint ;;
   smoke) smoke ;;
-  all) lint && smoke ;;
+  all)
+    lint
+    smoke
+    ;;
   *) echo "usage: deploy/check.sh [lint|smoke|all]" >&2; exit 2 ;;
 esac
