@@ -230,12 +230,14 @@ def _inputs(spec: ModelSpec) -> list[_Tensor]:
     if spec.kind is ModelKind.SDPA:
         seq += [_Tensor("key", dt, (-1, spec.kdim)), _Tensor("value", dt, (-1, spec.vdim))]
     else:
-        optional = spec.self_attention  # otherwise key and value are required
-        if spec.kdim == spec.vdim:
+        # key and value are required only when nothing can stand in for them: key_value needs
+        # kdim == vdim (and self attention, which needs neither, kdim == vdim == embed_dim).
+        pair_optional = spec.kdim == spec.vdim
+        if pair_optional:
             seq.append(_Tensor("key_value", dt, (-1, spec.kdim), optional=True))
         seq += [
-            _Tensor("key", dt, (-1, spec.kdim), optional=optional or spec.kdim == spec.vdim),
-            _Tensor("value", dt, (-1, spec.vdim), optional=optional or spec.kdim == spec.vdim),
+            _Tensor("key", dt, (-1, spec.kdim), optional=pair_optional),
+            _Tensor("value", dt, (-1, spec.vdim), optional=pair_optional),
         ]
     return [
         *seq,
