@@ -24,6 +24,7 @@ def test_several_addresses_become_one_balanced_target() -> None:
     assert resolve_target("10.0.0.1:50051") == "10.0.0.1:50051"
     assert resolve_target("dns:///attnserve-headless.ml.svc:50051") == "dns:///attnserve-headless.ml.svc:50051"
     assert resolve_target(["10.0.0.1:1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert resolve_target("ipv4:10.0.0.1:1,10.0.0.2:2") == "ipv4:10.0.0.1:1,10.0.0.2:2"  # gRPC's own form
     assert resolve_target("10.0.0.1:1, 10.0.0.2:2") == "ipv4:10.0.0.1:1,10.0.0.2:2"
     assert resolve_target(["[::1]:1", "[::2]:2"]) == "ipv6:[::1]:1,[::2]:2"
     assert resolve_target(["localhost:7", "127.0.0.1:8"]).startswith("ipv4:127.0.0.1:7,")

@@ -24,6 +24,9 @@ _RETRY_POLICY = {
 }
 
 
+_URI_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds")
+
+
 def _split_host_port(address: str) -> tuple[str, str]:
     host, sep, port = address.strip().rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -39,6 +42,8 @@ def resolve_target(target: str | Sequence[str]) -> str:
     "ipv4:" or "ipv6:" target, which gRPC balances round-robin; host names among them are
     resolved here, once (for membership that changes, give a dns:/// name instead).
     """
+    if isinstance(target, str) and target.split(":", 1)[0] in _URI_SCHEMES:
+        return target  # gRPC's own syntax, e.g. "ipv4:10.0.0.1:50051,10.0.0.2:50051"
     addresses = target.split(",") if isinstance(target, str) else list(target)
     if not addresses or not all(a.strip() for a in addresses):
         raise ValueError(f"target: expected an address, a target URI or several addresses, got {target!r}")
