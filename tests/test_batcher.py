@@ -68,6 +68,14 @@ def submit(b: Batcher, item: object, sequences: int = 1, length: int = 1, group:
     return asyncio.ensure_future(b.submit(item, sequences=sequences, length=length, group=group, deadline=deadline))
 
 
+async def occupy(b: Batcher, runner: FakeRunner) -> asyncio.Future:
+    """Starts the batcher and keeps its runner busy with "block" until the test opens the gate."""
+    b.start()
+    blocker = submit(b, "block")
+    await runner.started.wait()
+    return blocker
+
+
 def test_requests_queue_while_the_runner_is_busy_and_then_run_as_one_batch() -> None:
     async def main() -> None:
         runner = FakeRunner()
@@ -145,9 +153,7 @@ def test_only_requests_of_the_same_group_share_a_batch_and_the_oldest_goes_first
     async def main() -> None:
         runner = FakeRunner()
         b = Batcher([runner], limits())
-        b.start()
-        blocker = submit(b, "block")
-        await runner.started.wait()
+        blocker = await occupy(b, runner)
         futures = [
             submit(b, "s1", group="self"),
             submit(b, "c1", group="cross"),
@@ -187,9 +193,7 @@ def test_a_cancelled_request_is_dropped_before_compute() -> None:
         runner = FakeRunner()
         rec = Recorder()
         b = Batcher([runner], limits(), rec)
-        b.start()
-        blocker = submit(b, "block")
-        await runner.started.wait()
+        blocker = await occupy(b, runner)
         keep, gone = submit(b, "keep"), submit(b, "gone")
         await until(lambda: b.depth == 2)
         gone.cancel()
@@ -208,10 +212,8 @@ def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed() -> None:
         runner = FakeRunner()
         rec = Recorder()
         b = Batcher([runner], limits(), rec)
-        b.start()
         loop = asyncio.get_running_loop()
-        blocker = submit(b, "block")
-        await runner.started.wait()
+        blocker = await occupy(b, runner)
         expired = submit(b, "late", deadline=loop.time() - 1)  # already past when its batch forms
         fresh = submit(b, "fresh", deadline=loop.time() + 60)
         await until(lambda: b.depth == 2)
@@ -316,9 +318,7 @@ def test_a_dead_batching_loop_fails_waiting_requests_instead_of_leaving_them_han
         runner = FakeRunner()
         observer = BrokenObserver()
         b = Batcher([runner], limits(), observer)
-        b.start()
-        blocker = submit(b, "block")
-        await runner.started.wait()
+        blocker = await occupy(b, runner)
         waiting = submit(b, "waiting")
         await until(lambda: b.depth == 1)
         observer.armed = True  # the loop's next batch reports the depth and dies
@@ -339,10 +339,8 @@ def test_a_queued_request_expires_at_its_deadline_while_every_runner_is_busy() -
         runner = FakeRunner()
         rec = Recorder()
         b = Batcher([runner], limits(), rec)
-        b.start()
         loop = asyncio.get_running_loop()
-        blocker = submit(b, "block")
-        await runner.started.wait()
+        blocker = await occupy(b, runner)
         late = submit(b, "late", deadline=loop.time() + 0.05)
         with pytest.raises(DeadlineExpired):
             await late  # the runner is still held: no batch forms, the deadline alone ends it

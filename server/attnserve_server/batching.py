@@ -67,7 +67,6 @@ class _Entry(Generic[T]):
     sequences: int
     length: int
     group: Hashable
-    deadline: float | None
     enqueued: float
     future: asyncio.Future = field(repr=False)
     queued: bool = True
@@ -125,12 +124,12 @@ class Batcher(Generic[T, R]):
             self._observer.dropped("queue_full")
             raise QueueFull(f"the model's queue is full ({self._limits.max_queue_size} requests waiting); retry later")
         loop = asyncio.get_running_loop()
-        entry = _Entry(item, sequences, length, group, deadline, loop.time(), loop.create_future())
+        entry = _Entry(item, sequences, length, group, loop.time(), loop.create_future())
         self._groups.setdefault(group, deque()).append(entry)
         self._set_depth(self._depth + 1)
         self._arrived.set()
-        # Expire it on time even when no batch forms and no RPC deadline cancels the caller
-        # (a deadline can come from a request parameter, such as KServe's `timeout`).
+        # The one expiry mechanism: a timer at the deadline, which works whether or not a batch
+        # forms or an RPC deadline cancels the caller (KServe's `timeout` parameter has no RPC one).
         timer = loop.call_at(deadline, self._expire_entry, entry) if deadline is not None else None
         try:
             return await entry.future
@@ -184,15 +183,9 @@ class Batcher(Generic[T, R]):
             entry.future.set_exception(DeadlineExpired("the request's deadline passed while it waited in the queue"))
             self._observer.dropped("deadline_exceeded")
 
-    def _expire(self, now: float) -> None:
-        for group in list(self._groups.values()):
-            for entry in [e for e in group if e.deadline is not None and e.deadline <= now]:
-                self._expire_entry(entry)
-
     async def _next_batch(self) -> list[_Entry[T]]:
         loop = asyncio.get_running_loop()
         while True:
-            self._expire(loop.time())
             head = self._oldest()
             if head is None:
                 self._arrived.clear()
@@ -208,7 +201,6 @@ class Batcher(Generic[T, R]):
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 except TimeoutError:
                     break
-            self._expire(loop.time())
             count, _ = self._plan(head.group)
             if count:
                 # Depth first: if reporting it fails, the loop dies with the entries still
