@@ -298,6 +298,23 @@ def test_typed_contents_errors(server: Running, mutate, message: str) -> None:
     assert message in err.value.details()
 
 
+def test_a_bad_timeout_parameter_is_invalid_argument_and_counted(server: Running) -> None:
+    before = server.sample("attnserve_requests_total", model="default", method="ModelInfer", code="INVALID_ARGUMENT")
+    cases = (
+        (triton.InferParameter(string_param="soon"), "expected int64_param (microseconds), got string_param"),
+        (triton.InferParameter(int64_param=-5), "expected a positive number of microseconds, got -5"),
+    )
+    for param, message in cases:
+        request = typed_request(x(1, 3, E))
+        request.parameters["timeout"].CopyFrom(param)
+        with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as err:
+            triton_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "parameters['timeout']: " in err.value.details() and message in err.value.details()
+    after = server.sample("attnserve_requests_total", model="default", method="ModelInfer", code="INVALID_ARGUMENT")
+    assert after == before + 2
+
+
 def test_mixing_raw_and_typed_contents_is_refused(server: Running) -> None:
     request = typed_request(x(1, 3, E))
     request.inputs.add(name="key_value", datatype="FP32", shape=[1, 3, E])

@@ -241,7 +241,10 @@ class ModelMetrics:
         self._tokens.inc(report.tokens)
         stats = self.stats
         stats.compute.add(report, len(report.results))
-        stats.by_batch_size.setdefault(report.sequences, BatchPhases()).add(report, 1)
+        by_size = stats.by_batch_size.get(report.sequences)
+        if by_size is None:
+            by_size = stats.by_batch_size[report.sequences] = BatchPhases()
+        by_size.add(report, 1)
         stats.inference_count += report.sequences
         stats.execution_count += 1
         stats.last_inference_ms = int(time.time() * 1e3)

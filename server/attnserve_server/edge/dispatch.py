@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 R = TypeVar("R")
 _END = object()
+# the model -> (the validated request, a timeout in seconds the request itself carries, or None)
+Decode = Callable[[ServedModel], tuple[AttentionRequest, float | None]]
 # (the model, the request, its answer, perf_counter() at receipt) -> the edge's response
 Encode = Callable[[ServedModel, AttentionRequest, Answer, float], R]
 
@@ -39,8 +41,11 @@ class Dispatcher:
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name or self.default)
         if served is None:
-            raise ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self.models))}")
+            raise self._not_found(name)
         return served
+
+    def _not_found(self, name: str) -> ModelNotFound:
+        return ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self.models))}")
 
     @staticmethod
     def deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -53,19 +58,28 @@ class Dispatcher:
         model: str,
         method: str,
         deadline: float | None,
-        decode: Callable[[ServedModel], AttentionRequest],
+        decode: Decode,
         encode: Encode[R],
     ) -> R:
-        """One request, start to end, with its metrics; raises ServingError (or anything unexpected)."""
+        """One request, start to end, with its metrics; raises ServingError (or anything unexpected).
+
+        `deadline` is the call's (loop clock); a timeout the request carries (KServe's `timeout`
+        parameter), counted from receipt, tightens it.
+        """
         loop = asyncio.get_running_loop()
+        received = loop.time()
         start = time.perf_counter()
         served = self.models.get(model or self.default)
         metrics = served.metrics if served is not None else self._unknown
         metrics.inflight.inc()
         code = grpc.StatusCode.OK
         try:
-            served = self.model(model)
-            request = decode(served)
+            if served is None:
+                raise self._not_found(model)
+            request, timeout_s = decode(served)
+            if timeout_s is not None:
+                own = received + timeout_s
+                deadline = own if deadline is None else min(deadline, own)
             answer = await served.submit(request, deadline)
             return encode(served, request, answer, start)
         except asyncio.CancelledError:

@@ -53,6 +53,7 @@ class Decoded:
     request: AttentionRequest
     outputs: tuple[str, ...]  # in the order the response carries them
     typed: bool  # the inputs came as typed contents: answer the same way
+    timeout_s: float | None  # Triton's `timeout` parameter
 
 
 def _bool_param(msg: v2.ModelInferRequest, name: str) -> bool | None:
@@ -157,7 +158,7 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound)."""
     check_version(spec, msg.model_version)
     _check_parameters(msg)
-    timeout_s(msg)  # validated here too, so a bad value is counted as this request's error
+    timeout = timeout_s(msg)
     outputs = _requested_outputs(msg)
     need_weights = _bool_param(msg, "need_weights")
     if need_weights is False and WEIGHTS in outputs:
@@ -180,7 +181,7 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
         need_weights=need_weights,
         average_weights=bool(_bool_param(msg, "average_weights")),
     )
-    return Decoded(request, outputs, typed)
+    return Decoded(request, outputs, typed, timeout)
 
 
 def _output(response: v2.ModelInferResponse, name: str, t: torch.Tensor, typed: bool) -> None:

@@ -6,7 +6,6 @@ only the message formats differ (edge/kserve.py converts them).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from importlib import metadata
 
@@ -87,22 +86,13 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
 
-    def _deadline(self, msg: v2.ModelInferRequest, context: grpc.aio.ServicerContext) -> float | None:
-        """The earlier of the call's deadline and the request's `timeout` parameter."""
-        deadline = self._dispatch.deadline(context)
-        timeout = kserve.timeout_s(msg)
-        if timeout is not None:
-            own = asyncio.get_running_loop().time() + timeout
-            deadline = own if deadline is None else min(deadline, own)
-        return deadline
-
     async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse:
         decoded: kserve.Decoded | None = None
 
-        def decode(served: ServedModel) -> AttentionRequest:
+        def decode(served: ServedModel) -> tuple[AttentionRequest, float | None]:
             nonlocal decoded
             decoded = kserve.decode(msg, served.spec)
-            return decoded.request
+            return decoded.request, decoded.timeout_s
 
         def encode(served: ServedModel, request: AttentionRequest, answer: Answer, start: float):
             timing = {
@@ -114,10 +104,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
             assert decoded is not None
             return kserve.encode(served.spec, msg, decoded, answer.result.output, answer.result.weights, timing)
 
-        try:
-            deadline = self._deadline(msg, context)
-        except ServingError:
-            deadline = None  # a bad `timeout` parameter: decode() raises it inside handle(), where it is counted
+        deadline = self._dispatch.deadline(context)
         return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode)
 
     async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:

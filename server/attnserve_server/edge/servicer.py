@@ -39,7 +39,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None) -> pb.AttendResponse:
         return await self._dispatch.handle(
-            msg.model, method, deadline, lambda served: request_from_proto(msg, served.spec), self._encode(msg)
+            msg.model, method, deadline, lambda served: (request_from_proto(msg, served.spec), None), self._encode(msg)
         )
 
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
