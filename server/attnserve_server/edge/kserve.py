@@ -66,7 +66,7 @@ def _bool_param(msg: v2.ModelInferRequest, name: str) -> bool | None:
     return param.bool_param
 
 
-def timeout_s(msg: v2.ModelInferRequest) -> float | None:
+def _timeout_s(msg: v2.ModelInferRequest) -> float | None:
     """Triton's `timeout` request parameter (microseconds), as seconds; None when absent."""
     if TIMEOUT not in msg.parameters:
         return None
@@ -158,7 +158,7 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound)."""
     check_version(spec, msg.model_version)
     _check_parameters(msg)
-    timeout = timeout_s(msg)
+    timeout = _timeout_s(msg)
     outputs = _requested_outputs(msg)
     need_weights = _bool_param(msg, "need_weights")
     if need_weights is False and WEIGHTS in outputs:
