@@ -16,6 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve_server import AttnServer
+from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
 
 
@@ -52,6 +53,15 @@ class Running:
             if time.monotonic() > deadline:
                 raise AssertionError("condition not reached in time")
             time.sleep(0.01)
+
+
+class FailingWorker(DeviceWorker):
+    """Fails any batch holding a query whose first element is 1234 (a fault injected for the test)."""
+
+    def run(self, requests):
+        if any(float(r.query[0, 0, 0]) == 1234.0 for r in requests):
+            raise RuntimeError("injected fault")
+        return super().run(requests)
 
 
 def model(name: str = "default", **fields: Any) -> ModelSettings:

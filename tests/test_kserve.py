@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from attnserve import Client
 from attnserve_server.protocol import open_inference_pb2 as ours
 
-from conftest import Running, model, running, settings
+from conftest import FailingWorker, Running, model, running, settings
 
 E, H = 32, 4
 
@@ -458,8 +458,6 @@ def test_a_full_queue_is_resource_exhausted() -> None:
 
 
 def test_a_failing_batch_is_internal_and_the_server_keeps_serving() -> None:
-    from test_server import FailingWorker
-
     with running(settings(model(embed_dim=E, num_heads=H, max_batch_size=1)), worker_factory=FailingWorker) as handle:
         c = tc.InferenceServerClient(handle.target)
         bad = x(1, 3, E)

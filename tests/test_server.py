@@ -16,9 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from attnserve import AsyncClient, AttnServeError, Client, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
-from attnserve_server.compute.worker import DeviceWorker
 
-from conftest import Running, model, running, settings
+from conftest import FailingWorker, Running, model, running, settings
 
 E = 32
 
@@ -385,15 +384,6 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_loses_nothing_accep
         # A graceful stop runs what was accepted at once.
         handle.call(handle.server.stop(10))
         assert [f.result(timeout=30).output.shape for f in accepted] == [(3, E), (3, E)]
-
-
-class FailingWorker(DeviceWorker):
-    """Fails any batch holding a query whose first element is 1234 (a fault injected for the test)."""
-
-    def run(self, requests):
-        if any(float(r.query[0, 0, 0]) == 1234.0 for r in requests):
-            raise RuntimeError("injected fault")
-        return super().run(requests)
 
 
 def test_a_failing_batch_fails_only_its_requests_and_the_worker_keeps_serving() -> None:
