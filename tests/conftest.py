@@ -11,12 +11,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve_server import AttnServer
+from attnserve_server.compute.staging import host_tensor
 from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
 
 
@@ -56,12 +59,26 @@ class Running:
 
 
 class FailingWorker(DeviceWorker):
-    """Fails any batch holding a query whose first element is 1234 (a fault injected for the test)."""
+    """Fails any batch holding an FP32 query whose first element is 1234 (a fault injected for the test)."""
 
     def run(self, requests):
-        if any(float(r.query[0, 0, 0]) == 1234.0 for r in requests):
+        if any(np.frombuffer(r.query.data, dtype="<f4", count=1)[0] == 1234.0 for r in requests):
             raise RuntimeError("injected fault")
         return super().run(requests)
+
+
+def request(query: np.ndarray, causal: bool = False, need_weights: bool = False) -> AttentionRequest:
+    """A worker-level request for self attention on an FP32 query [B, L, E]."""
+    return AttentionRequest(host_tensor(torch.from_numpy(query)), None, None, None, causal, need_weights, False, False)
+
+
+def output_of(answer: Answer, dtype: str = "<f4") -> np.ndarray:
+    return np.frombuffer(answer.output, dtype=dtype).reshape(answer.output_shape)
+
+
+def weights_of(answer: Answer, dtype: str = "<f4") -> np.ndarray:
+    assert answer.weights is not None and answer.weights_shape is not None
+    return np.frombuffer(answer.weights, dtype=dtype).reshape(answer.weights_shape)
 
 
 def model(name: str = "default", **fields: Any) -> ModelSettings:

@@ -9,10 +9,9 @@ import torch
 from attnserve import Client
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AttentionRequest
 from attnserve_server.model import spec_from_settings
 
-from conftest import model, running, settings
+from conftest import model, output_of, request, running, settings, weights_of
 
 pytestmark = [
     pytest.mark.cuda,
@@ -51,20 +50,18 @@ def test_cuda_model_matches_the_cpu_reference(dtype: str, tol: float) -> None:
     assert memory > 0
 
 
-def test_cuda_worker_pads_mixed_lengths_through_pinned_buffers() -> None:
+def test_cuda_worker_pads_mixed_lengths_through_one_pinned_slab() -> None:
     spec = spec_from_settings(model(embed_dim=E, num_heads=H))
     worker = DeviceWorker(spec, random_projections(spec, 0), torch.device("cuda", 0))
-    requests = [
-        AttentionRequest(torch.from_numpy(rand(1, n, E)), None, None, None, True, True, False, unbatched=False)
-        for n in (5, 12, 3)
-    ]
-    report = worker.run(requests)
     cpu = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
-    for request, result in zip(requests, report.results, strict=True):
-        alone = cpu.run([request]).results[0]
-        assert result.output.device.type == "cpu" and result.output.shape == alone.output.shape
-        assert torch.allclose(result.output, alone.output, atol=1e-4)
-        assert torch.allclose(result.weights, alone.weights, atol=1e-4)
-    assert report.results[0].output.is_pinned() is False  # copied out of the reused pinned buffer
+    requests = [request(rand(1, n, E), causal=True, need_weights=True) for n in (5, 12, 3)]
+    first = worker.run(requests)
+    second = worker.run(requests[::-1])  # the slabs are reused: the first answers must not change
+    for req, answer in zip(requests, first, strict=True):
+        alone = cpu.run([req])[0]
+        assert answer.output_shape == alone.output_shape
+        np.testing.assert_allclose(output_of(answer), output_of(alone), atol=1e-4)
+        np.testing.assert_allclose(weights_of(answer), weights_of(alone), atol=1e-4)
+    np.testing.assert_allclose(output_of(second[-1]), output_of(first[0]), atol=1e-6)
     worker.close()
     cpu.close()

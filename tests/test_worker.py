@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AttentionRequest
 from attnserve_server.model import spec_from_settings
 from attnserve_server.settings import ModelSettings
+
+from conftest import output_of, request
 
 
 def worker(torch_threads: int | None = None) -> DeviceWorker:
@@ -29,13 +31,16 @@ def test_a_batch_report_counts_tokens_and_padding() -> None:
     w = worker()
     try:
         requests = [
-            AttentionRequest(torch.randn(2, 3, 16), None, None, None, False, False, False, unbatched=False),
-            AttentionRequest(torch.randn(1, 5, 16), None, None, None, False, False, False, unbatched=False),
+            request(np.random.randn(2, 3, 16).astype(np.float32)),
+            request(np.random.randn(1, 5, 16).astype(np.float32)),
         ]
-        report = w.run(requests)
+        answers = w.run(requests)
     finally:
         w.close()
-    assert report.sequences == 3 and report.tokens == 2 * 3 + 5
+    report = answers[0].batch
+    assert all(a.batch is report for a in answers)  # one report, shared by the batch
+    assert report.requests == 2 and report.sequences == 3 and report.tokens == 2 * 3 + 5
     # Real positions: 2 x (3 + 3) + 1 x (5 + 5) = 22 of 3 x (5 + 5) = 30 padded.
     assert abs(report.padding_fraction - (1 - 22 / 30)) < 1e-9
-    assert [r.output.shape for r in report.results] == [(2, 3, 16), (1, 5, 16)]
+    assert [a.output_shape for a in answers] == [(2, 3, 16), (1, 5, 16)]
+    assert [output_of(a).shape for a in answers] == [(2, 3, 16), (1, 5, 16)]

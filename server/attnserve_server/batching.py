@@ -53,14 +53,6 @@ class _NoObserver:
         pass
 
 
-@dataclass(frozen=True)
-class Completed(Generic[R]):
-    result: R
-    queue_s: float
-    batch_size: int  # requests in the batch
-    batch_sequences: int
-
-
 @dataclass(eq=False)
 class _Entry(Generic[T]):
     item: T
@@ -112,9 +104,21 @@ class Batcher(Generic[T, R]):
     # -- admission -------------------------------------------------------------------------
 
     async def submit(
-        self, item: T, *, sequences: int, length: int, group: Hashable, deadline: float | None = None
-    ) -> Completed[R]:
-        """Queues one item and waits for its result. `deadline` is on the loop's clock."""
+        self,
+        item: T,
+        *,
+        sequences: int,
+        length: int,
+        group: Hashable,
+        deadline: float | None = None,
+        expire: bool = True,
+    ) -> R:
+        """Queues one item and waits for the runner's result for it. `deadline` is on the loop's clock.
+
+        With `expire`, a timer fails the item at its deadline. Without, the caller enforces the deadline
+        itself (an RPC deadline cancels the call), which spares a timer per request; the deadline then
+        only tells a drop at the deadline from a cancellation.
+        """
         if self._broken is not None:
             raise self._broken
         if self._closing:
@@ -130,7 +134,7 @@ class Batcher(Generic[T, R]):
         self._arrived.set()
         # The one expiry mechanism: a timer at the deadline, which works whether or not a batch
         # forms or an RPC deadline cancels the caller (KServe's `timeout` parameter has no RPC one).
-        timer = loop.call_at(deadline, self._expire_entry, entry) if deadline is not None else None
+        timer = loop.call_at(deadline, self._expire_entry, entry) if expire and deadline is not None else None
         try:
             return await entry.future
         except asyncio.CancelledError:
@@ -231,7 +235,6 @@ class Batcher(Generic[T, R]):
             started = asyncio.get_running_loop().time()
             waits = [started - e.enqueued for e in batch]
             self._observer.batch_started(len(batch), waits)
-            sequences = sum(e.sequences for e in batch)
             try:
                 results = await runner([e.item for e in batch])
                 if len(results) != len(batch):
@@ -243,9 +246,9 @@ class Batcher(Generic[T, R]):
                 log.exception("batch of %d requests failed", len(batch))
                 self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
                 return
-            for entry, result, wait in zip(batch, results, waits, strict=True):
+            for entry, result in zip(batch, results, strict=True):
                 if not entry.future.done():  # the caller may have gone while it ran
-                    entry.future.set_result(Completed(result, wait, len(batch), sequences))
+                    entry.future.set_result(result)
         finally:
             self._idle.put_nowait(runner)
             self._changed.set()

@@ -313,6 +313,7 @@ def inprocess_throughput(
     """Requests/s of the model computed directly on a device worker, batch_requests at a time."""
     import torch
 
+    from attnserve_server.compute.staging import host_tensor
     from attnserve_server.compute.weights import random_projections
     from attnserve_server.compute.worker import DeviceWorker
     from attnserve_server.domain import AttentionRequest
@@ -335,8 +336,11 @@ def inprocess_throughput(
     params = None if info.kind == "sdpa" else random_projections(spec, 0)
     worker = DeviceWorker(spec, params, torch.device(info.devices[0]), torch_threads)
 
-    def tensor(name: str) -> torch.Tensor | None:
-        return None if inputs.get(name) is None else torch.from_numpy(inputs[name]).to(spec.dtype)
+    def tensor(name: str):
+        if inputs.get(name) is None:
+            return None
+        t = torch.from_numpy(inputs[name]).to(worker.dtype)
+        return host_tensor(t if t.dim() == 3 else t.unsqueeze(0))
 
     shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
     key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))

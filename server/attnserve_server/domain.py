@@ -1,11 +1,17 @@
-"""Typed values passed between the edge, the batcher and the compute layer."""
+"""Typed values passed between the edge, the batcher and the compute layer. No torch, no grpc.
+
+A request carries its tensors as the bytes the message brought and their shapes: the edge checks
+them as integers and never copies or converts them; the worker stages a whole batch at once.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
 
-import torch
+import numpy as np
+
+from attnserve_server.dtypes import DType
 
 
 class ModelKind(StrEnum):
@@ -24,7 +30,7 @@ class ModelSpec:
     kdim: int
     vdim: int
     bias: bool
-    dtype: torch.dtype
+    dtype: DType
     max_query_len: int
     max_key_len: int
     max_batch_size: int
@@ -51,18 +57,26 @@ class BatchKey:
     average_weights: bool
 
 
+@dataclass(frozen=True, slots=True)
+class HostTensor:
+    """A float input in the model's dtype: little-endian, row-major bytes, shape [B, T, D]."""
+
+    data: bytes | memoryview
+    shape: tuple[int, int, int]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class AttentionRequest:
-    """A validated request. Tensors are on the CPU, in the model's dtype, always batched.
+    """A validated request, always batched ([B, ...]).
 
-    key/value are None for MHA self attention (they are the query).
-    key_padding is bool [B, S], True where a key is ignored.
+    key/value are None for MHA self attention (they are the query); with key_value they are the
+    same object. key_padding is bool [B, S], True where a key is ignored.
     """
 
-    query: torch.Tensor  # [B, L, E]
-    key: torch.Tensor | None  # [B, S, kdim]
-    value: torch.Tensor | None  # [B, S, vdim]
-    key_padding: torch.Tensor | None
+    query: HostTensor  # [B, L, E]
+    key: HostTensor | None  # [B, S, kdim]
+    value: HostTensor | None  # [B, S, vdim]
+    key_padding: np.ndarray | None
     causal: bool
     need_weights: bool
     average_weights: bool
@@ -86,22 +100,29 @@ class AttentionRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionResult:
-    """One request's answer from the worker: CPU tensors, batch dim kept."""
-
-    output: torch.Tensor  # [B, L, E_out]
-    weights: torch.Tensor | None  # [B, H, L, S] or [B, L, S]
-
-
-@dataclass(frozen=True, slots=True)
 class BatchReport:
-    """What a worker returns for a batch: per-request results and what it cost."""
+    """What one batch cost; shared by every answer of the batch."""
 
-    results: list[AttentionResult]
+    started: float  # time.perf_counter() when the worker began the batch
     compute_s: float  # the whole batch, wall clock: input_s + infer_s + output_s
-    input_s: float  # padding and staging the inputs (host-to-device copies included)
+    input_s: float  # staging the inputs (host-to-device copies included)
     infer_s: float  # the attention itself
     output_s: float  # results back to the host and split per request
+    requests: int
     sequences: int
     tokens: int  # real query tokens
     padding_fraction: float  # share of padded query and key positions
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One request's result from the worker: bytes in the model's dtype, batch dim kept.
+
+    The only object made per request on the way back; `batch` is shared by the batch's answers.
+    """
+
+    output: bytes  # [B, L, E_out]
+    output_shape: tuple[int, ...]
+    weights: bytes | None  # [B, H, L, S], or [B, L, S] averaged
+    weights_shape: tuple[int, ...] | None
+    batch: BatchReport

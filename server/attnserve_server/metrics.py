@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -212,6 +214,9 @@ class ModelMetrics:
         self.inflight = metrics.inflight.labels(model)
         self.stats = InferenceStats()
         self._dropped = {reason: metrics.dropped.labels(model, reason) for reason in DROP_REASONS}
+        # (method, status code) -> its counter and histogram children: a label lookup takes a lock and
+        # builds tuples, so each pair pays it once, not once per request.
+        self._done: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
         for child in self._dropped.values():
             child.inc(0)
 
@@ -240,7 +245,7 @@ class ModelMetrics:
         self._batch_padding.observe(report.padding_fraction)
         self._tokens.inc(report.tokens)
         stats = self.stats
-        stats.compute.add(report, len(report.results))
+        stats.compute.add(report, report.requests)
         by_size = stats.by_batch_size.get(report.sequences)
         if by_size is None:
             by_size = stats.by_batch_size[report.sequences] = BatchPhases()
@@ -252,10 +257,15 @@ class ModelMetrics:
     def batch_failed(self, device: str) -> None:
         self._metrics.batch_failures.labels(self.model, device).inc()
 
-    def request_done(self, method: str, code: str, duration_s: float) -> None:
-        self._metrics.requests.labels(self.model, method, code).inc()
-        self._metrics.request_duration.labels(self.model, method).observe(duration_s)
-        (self.stats.success if code == "OK" else self.stats.fail).add(duration_s)
+    def request_done(self, method: str, code: grpc.StatusCode, duration_s: float) -> None:
+        children = self._done.get((method, code))
+        if children is None:
+            m = self._metrics
+            children = m.requests.labels(self.model, method, code.name), m.request_duration.labels(self.model, method)
+            self._done[(method, code)] = children
+        children[0].inc()
+        children[1].observe(duration_s)
+        (self.stats.success if code is grpc.StatusCode.OK else self.stats.fail).add(duration_s)
 
 
 class _CudaMemoryCollector(Collector):

@@ -5,21 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from attnserve_server import dtypes
 from attnserve_server.batching import Batcher, BatchLimits
 from attnserve_server.compute.devices import resolve_devices
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AttentionRequest, AttentionResult, ModelKind, ModelSpec
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.errors import ModelNotReady
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.settings import ModelSettings
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # (spec, weights on the CPU, device, torch_threads) -> a worker with run(), warmup(), close(), executor, name.
 WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
@@ -35,21 +34,12 @@ def spec_from_settings(settings: ModelSettings) -> ModelSpec:
         kdim=settings.kdim or e,
         vdim=settings.vdim or e,
         bias=settings.bias,
-        dtype=_DTYPES[settings.dtype],
+        dtype=dtypes.FLOATS[settings.dtype],
         max_query_len=settings.max_query_len,
         max_key_len=settings.max_key_len,
         max_batch_size=settings.batching.max_batch_size,
         max_batch_tokens=settings.batching.max_batch_tokens,
     )
-
-
-@dataclass(frozen=True)
-class Answer:
-    result: AttentionResult
-    queue_s: float
-    compute_s: float
-    batch_size: int
-    batch_sequences: int
 
 
 class ServedModel:
@@ -68,7 +58,7 @@ class ServedModel:
         self._worker_factory = worker_factory
         self._torch_threads = torch_threads
         self._workers: list[DeviceWorker] = []
-        self._batcher: Batcher[AttentionRequest, tuple[AttentionResult, float]] | None = None
+        self._batcher: Batcher[AttentionRequest, Answer] | None = None
 
     async def load(self) -> None:
         """Loads weights, builds one worker per device and warms each up, off the event loop."""
@@ -98,29 +88,31 @@ class ServedModel:
     def _runner(self, worker: DeviceWorker):
         loop = asyncio.get_running_loop()
 
-        async def run(batch: list[AttentionRequest]) -> list[tuple[AttentionResult, float]]:
+        async def run(batch: list[AttentionRequest]) -> list[Answer]:
             try:
-                report = await loop.run_in_executor(worker.executor, worker.run, batch)
+                answers = await loop.run_in_executor(worker.executor, worker.run, batch)
             except Exception:
                 self.metrics.batch_failed(worker.name)
                 raise
-            self.metrics.batch_computed(worker.name, report)
-            return [(result, report.compute_s) for result in report.results]
+            if answers:
+                self.metrics.batch_computed(worker.name, answers[0].batch)
+            return answers
 
         return run
 
-    async def submit(self, request: AttentionRequest, deadline: float | None) -> Answer:
+    async def submit(self, request: AttentionRequest, deadline: float | None = None, *, expire: bool = True) -> Answer:
+        """Queues a request and returns its answer. `deadline` is on the loop's clock; `expire` arms a
+        timer for it, needed only where the call does not enforce it (KServe's `timeout` parameter)."""
         if self._batcher is None or not self.ready:
             raise ModelNotReady(f"model {self.spec.name!r} is not ready yet")
-        done = await self._batcher.submit(
+        return await self._batcher.submit(
             request,
             sequences=request.sequences,
             length=request.query_len,
             group=request.batch_key,
             deadline=deadline,
+            expire=expire,
         )
-        result, compute_s = done.result
-        return Answer(result, done.queue_s, compute_s, done.batch_size, done.batch_sequences)
 
     async def drain(self, timeout_s: float) -> bool:
         self.ready = False

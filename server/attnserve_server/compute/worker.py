@@ -6,32 +6,13 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from attnserve_server.compute.attention import AttentionCompute
+from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
 from attnserve_server.compute.weights import Projections
-from attnserve_server.domain import AttentionRequest, AttentionResult, BatchReport, ModelKind, ModelSpec
-
-
-class _PinnedArena:
-    """Grow-only page-locked host buffers, one per role, reused batch after batch.
-
-    Safe to reuse because a worker runs one batch at a time and synchronizes its
-    stream before the next batch is staged.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        buf = self._buffers.get(role)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=True)
-            self._buffers[role] = buf
-        return buf[:numel].view(shape)
+from attnserve_server.domain import Answer, AttentionRequest, BatchReport, HostTensor, ModelKind, ModelSpec
 
 
 class _CudaPhases:
@@ -56,7 +37,7 @@ class _CudaPhases:
 
 
 class DeviceWorker:
-    """Runs `run(requests) -> BatchReport` on one device, on its own thread (see `executor`)."""
+    """Runs `run(requests) -> [Answer]` on one device, on its own thread (see `executor`)."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, torch_threads: int | None = None
@@ -64,6 +45,7 @@ class DeviceWorker:
         self.spec = spec
         self.device = device
         self.name = str(device)
+        self.dtype: torch.dtype = getattr(torch, spec.dtype.setting)
         self._cuda = device.type == "cuda"
         # One thread per device: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread.
@@ -74,76 +56,46 @@ class DeviceWorker:
             initargs=(torch_threads,) if torch_threads else (),
         )
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._arena = _PinnedArena() if self._cuda else None
-        on_device = None if params is None else params.to(device, spec.dtype)
+        self._stager = Stager(device, self.dtype)
+        self._out = Slab(pinned=True) if self._cuda else None
+        self._weights_out = Slab(pinned=True) if self._cuda else None
+        on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device)
 
-    # -- staging: requests -> padded device tensors ------------------------------------------
-
-    def _host(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self._arena is not None:
-            return self._arena.take(role, shape, dtype)
-        return torch.empty(shape, dtype=dtype)
-
-    def _stage(self, role: str, parts: list[torch.Tensor], length: int) -> torch.Tensor:
-        """Stacks [B_i, T_i, D] parts into [sum B_i, length, D], zero padded, on the device."""
-        n = sum(p.shape[0] for p in parts)
-        width = parts[0].shape[2]
-        host = self._host(role, (n, length, width), parts[0].dtype)
-        offset = 0
-        for part in parts:
-            b, t = part.shape[0], part.shape[1]
-            host[offset : offset + b, :t].copy_(part)
-            if t < length:
-                host[offset : offset + b, t:].zero_()
-            offset += b
-        return host.to(self.device, non_blocking=True) if self._cuda else host
-
-    def _key_padding(self, requests: list[AttentionRequest], n: int, s: int) -> torch.Tensor | None:
-        """[N, S] bool, True for keys to ignore: the requests' own padding and the batch's."""
-        if all(r.key_padding is None and r.key_len == s for r in requests):
+    def _to_host(self, slab: Slab | None, t: torch.Tensor | None) -> np.ndarray | None:
+        """The batch's result on the host as numpy: one device-to-host copy into a reused pinned slab."""
+        if t is None:
             return None
-        mask = self._host("key_padding", (n, s), torch.bool)
-        offset = 0
-        for r in requests:
-            b, length = r.sequences, r.key_len
-            rows = mask[offset : offset + b]
-            if r.key_padding is None:
-                rows[:, :length] = False
-            else:
-                rows[:, :length].copy_(r.key_padding)
-            rows[:, length:] = True
-            offset += b
-        return mask.to(self.device, non_blocking=True) if self._cuda else mask
-
-    def _to_host(self, role: str, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or not self._cuda:
-            return t
-        host = self._host(role, tuple(t.shape), t.dtype)
+        if slab is None:
+            return to_numpy(t.contiguous())
+        host = slab.take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
         host.copy_(t, non_blocking=True)
-        return host
+        return to_numpy(host)
 
-    # -- the batch -------------------------------------------------------------------------
-
-    def run(self, requests: list[AttentionRequest]) -> BatchReport:
-        """Pads, computes and splits one batch. Requests share a BatchKey (the batcher ensures it)."""
+    def run(self, requests: list[AttentionRequest]) -> list[Answer]:
+        """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it)."""
         start = time.perf_counter()
         timer = _CudaPhases(self._stream) if self._stream is not None else None
         first = requests[0]
         n = sum(r.sequences for r in requests)
         length = max(r.query_len for r in requests)
         s = max(r.key_len for r in requests)
-        stream = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             # 1. stage inputs, padded to the batch's longest query and key
-            query = self._stage("query", [r.query for r in requests], length)
-            key = value = None
+            roles = [([r.query for r in requests], length)]
             if first.key is not None:
-                key = self._stage("key", [r.key for r in requests], s)  # type: ignore[misc]
+                roles.append(([r.key for r in requests], s))  # type: ignore[misc]
                 # key_value sends one X' for both: stage (and copy to the device) once.
                 shared = all(r.value is r.key for r in requests)
-                value = key if shared else self._stage("value", [r.value for r in requests], s)  # type: ignore[misc]
-            padding = self._key_padding(requests, n, s)
+                if not shared:
+                    roles.append(([r.value for r in requests], s))  # type: ignore[misc]
+            tensors, padding = self._stager.stage(roles, key_mask(requests, n, s))
+            query = tensors[0]
+            key = value = None
+            if first.key is not None:
+                key = tensors[1]
+                value = tensors[1] if len(tensors) == 2 else tensors[2]
             if timer is not None:
                 timer.mark(0)
             staged = time.perf_counter()
@@ -154,24 +106,15 @@ class DeviceWorker:
             if timer is not None:
                 timer.mark(1)
             computed = time.perf_counter()
-            # 3. bring results back; the host buffers are reused next batch, so copy out per request
-            out_host = self._to_host("output", out)
-            weights_host = self._to_host("weights", weights)
+            # 3. results to the host once (one copy each on CUDA), then one slice per request
+            out_host = self._to_host(self._out, out)
+            weights_host = self._to_host(self._weights_out, weights)
             if self._stream is not None:
                 timer.mark(2)  # type: ignore[union-attr]
                 self._stream.synchronize()
             synced = time.perf_counter()
-            results = []
-            offset = 0
-            for r in requests:
-                rows = slice(offset, offset + r.sequences)
-                y = out_host[rows, : r.query_len]  # type: ignore[index]
-                w = None
-                if weights_host is not None:
-                    w = weights_host[rows, ..., : r.query_len, : r.key_len]
-                    w = w.clone() if self._cuda else w.contiguous()
-                results.append(AttentionResult(y.clone() if self._cuda else y.contiguous(), w))
-                offset += r.sequences
+            outputs = split(out_host, requests, key_axis=False)  # type: ignore[arg-type]
+            weights_parts = split(weights_host, requests, key_axis=True) if weights_host is not None else None
         end = time.perf_counter()
         total = end - start
         if timer is None:
@@ -181,32 +124,61 @@ class DeviceWorker:
             output_s = copy_back_s + (end - synced)
             input_s = max(0.0, total - infer_s - output_s)  # host staging, copies in, launch latency
         real = sum(r.sequences * (r.query_len + r.key_len) for r in requests)
-        return BatchReport(
-            results=results,
+        report = BatchReport(
+            started=start,
             compute_s=total,
             input_s=input_s,
             infer_s=infer_s,
             output_s=output_s,
+            requests=len(requests),
             sequences=n,
             tokens=sum(r.sequences * r.query_len for r in requests),
             padding_fraction=1.0 - real / (n * (length + s)),
         )
+        width = out_host.shape[-1]  # type: ignore[union-attr]
+        heads = () if weights_host is None or weights_host.ndim == 3 else (weights_host.shape[1],)
+        answers = []
+        for i, r in enumerate(requests):
+            answers.append(
+                Answer(
+                    output=outputs[i],
+                    output_shape=(r.sequences, r.query_len, width),
+                    weights=None if weights_parts is None else weights_parts[i],
+                    weights_shape=None if weights_parts is None else (r.sequences, *heads, r.query_len, r.key_len),
+                    batch=report,
+                )
+            )
+        return answers
 
-    def example_request(self, length: int, need_weights: bool = False) -> AttentionRequest:
+    def example_request(
+        self, length: int, need_weights: bool = False, causal: bool = False, key_lengths: int | None = None
+    ) -> AttentionRequest:
         """A request of random data shaped for this model (warm-up and in-process benchmarks)."""
         spec = self.spec
-        query = torch.randn(1, length, spec.embed_dim).to(spec.dtype)
+
+        def rand(width: int) -> HostTensor:
+            return host_tensor(torch.randn(1, length, width).to(self.dtype))
+
         key = value = None
         if spec.kind is ModelKind.SDPA or not spec.self_attention:
-            key = torch.randn(1, length, spec.kdim).to(spec.dtype)
-            value = torch.randn(1, length, spec.vdim).to(spec.dtype)
-        return AttentionRequest(query, key, value, None, False, need_weights, False, unbatched=False)
+            key, value = rand(spec.kdim), rand(spec.vdim)
+        padding = None
+        if key_lengths is not None:
+            padding = np.arange(length)[None, :] >= key_lengths
+        average = need_weights and spec.kind is ModelKind.MHA
+        return AttentionRequest(rand(spec.embed_dim), key, value, padding, causal, need_weights, average, False)
 
     def warmup(self) -> None:
-        """Runs both paths (fused attention and explicit weights) once, so the first request is not slow."""
-        length = min(64, self.spec.max_query_len, self.spec.max_key_len)
-        for need_weights in (False, True):
-            self.run([self.example_request(length, need_weights)])
+        """Runs every kernel kind (fused, masked, causal, explicit weights) at two sizes, so no request
+        pays for a first call; mixed lengths exercise padding."""
+        top = min(64, self.spec.max_query_len, self.spec.max_key_len)
+        for length in sorted({max(1, top // 8), top}):
+            self.run([self.example_request(length)])
+            self.run(
+                [self.example_request(length, causal=True), self.example_request(max(1, length // 2), causal=True)]
+            )
+            self.run([self.example_request(length, key_lengths=max(1, length // 2))])
+            self.run([self.example_request(length, need_weights=True)])
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

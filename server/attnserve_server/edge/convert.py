@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import torch
-
 from attnserve.v1 import attention_pb2 as pb
-from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
-from attnserve_server.edge.wire import DTYPE_NAMES, INPUT_NAMES, WireTensor, build_request, tensor_bytes
+from attnserve_server import dtypes
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.edge.wire import INPUT_NAMES, WireTensor, build_request
 
-_WIRE_DTYPE = {
-    torch.float32: pb.DATA_TYPE_FP32,
-    torch.float16: pb.DATA_TYPE_FP16,
-    torch.bfloat16: pb.DATA_TYPE_BF16,
-    torch.bool: pb.DATA_TYPE_BOOL,
-    torch.int32: pb.DATA_TYPE_INT32,
-    torch.int64: pb.DATA_TYPE_INT64,
-}
-# attnserve.v1 DataType -> the wire name (DATA_TYPE_FP32 -> FP32); unknown numbers read as <n>.
-_NAMES = {wire: DTYPE_NAMES[dtype] for dtype, wire in _WIRE_DTYPE.items()}
+# attnserve.v1 DataType <-> the wire name (DATA_TYPE_FP32 <-> FP32); unknown numbers read as <n>.
+_NAMES = {v: pb.DataType.Name(v).removeprefix("DATA_TYPE_") for v in pb.DataType.values()}
+_ENUM = {name: v for v, name in _NAMES.items() if name in dtypes.BY_NAME}
 
 
 def dtype_name(wire: int) -> str:
-    if wire in _NAMES:
-        return _NAMES[wire]
-    return pb.DataType.Name(wire).removeprefix("DATA_TYPE_") if wire in pb.DataType.values() else f"<{wire}>"
+    return _NAMES.get(wire, f"<{wire}>")
 
 
 def request_from_proto(msg: pb.AttendRequest, spec: ModelSpec) -> AttentionRequest:
@@ -38,21 +28,18 @@ def request_from_proto(msg: pb.AttendRequest, spec: ModelSpec) -> AttentionReque
     )
 
 
-def tensor_to_proto(t: torch.Tensor, out: pb.Tensor) -> None:
-    out.dtype = _WIRE_DTYPE[t.dtype]
-    out.shape[:] = t.shape
-    out.data = tensor_bytes(t)
+def _set_tensor(out: pb.Tensor, dtype: str, shape: tuple[int, ...], data: bytes, unbatched: bool) -> None:
+    out.dtype = _ENUM[dtype]
+    out.shape[:] = shape[1:] if unbatched else shape
+    out.data = data
 
 
-def fill_response(
-    response: pb.AttendResponse,
-    output: torch.Tensor,
-    weights: torch.Tensor | None,
-    unbatched: bool,
-) -> None:
-    tensor_to_proto(output[0] if unbatched else output, response.output)
-    if weights is not None:
-        tensor_to_proto(weights[0] if unbatched else weights, response.attention_weights)
+def fill_response(response: pb.AttendResponse, spec: ModelSpec, request: AttentionRequest, answer: Answer) -> None:
+    """The answer's bytes into the response: one copy each, made by protobuf."""
+    dtype = spec.dtype.name
+    _set_tensor(response.output, dtype, answer.output_shape, answer.output, request.unbatched)
+    if answer.weights is not None:
+        _set_tensor(response.attention_weights, dtype, answer.weights_shape, answer.weights, request.unbatched)
 
 
 def model_metadata(spec: ModelSpec, settings_batching, devices: list[str], ready: bool) -> pb.ModelMetadata:
@@ -64,7 +51,7 @@ def model_metadata(spec: ModelSpec, settings_batching, devices: list[str], ready
         kdim=spec.kdim,
         vdim=spec.vdim,
         bias=spec.bias,
-        dtype=_WIRE_DTYPE[spec.dtype],
+        dtype=_ENUM[spec.dtype.name],
         devices=devices,
         batching=pb.BatchingLimits(
             max_batch_size=settings_batching.max_batch_size,

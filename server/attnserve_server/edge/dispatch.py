@@ -2,23 +2,25 @@
 
 An edge passes a `decode(served) -> AttentionRequest` and an `encode(...) -> response`;
 `Dispatcher.handle` runs them around the model's batcher and records the request's
-metrics (and so its KServe statistics) whatever the outcome.
+metrics (and so its KServe statistics) whatever the outcome. `unary_errors` is the one
+place where an exception becomes a gRPC status for a unary call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
-from attnserve_server.domain import AttentionRequest
+from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.errors import ModelNotFound, ServingError, status_of
 from attnserve_server.metrics import ModelMetrics
-from attnserve_server.model import Answer, ServedModel
+from attnserve_server.model import ServedModel
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -28,6 +30,46 @@ _END = object()
 Decode = Callable[[ServedModel], tuple[AttentionRequest, float | None]]
 # (the model, the request, its answer, perf_counter() at receipt) -> the edge's response
 Encode = Callable[[ServedModel, AttentionRequest, Answer, float], R]
+
+
+class Timing(NamedTuple):
+    """What a response reports of its request's time in the server, in nanoseconds."""
+
+    queue_ns: int  # receipt to the start of its batch on the worker
+    compute_ns: int  # the batch on the worker
+    server_ns: int  # receipt to the response
+
+    @classmethod
+    def of(cls, answer: Answer, received: float) -> Timing:
+        batch = answer.batch
+        return cls(
+            int((batch.started - received) * 1e9),
+            int(batch.compute_s * 1e9),
+            int((time.perf_counter() - received) * 1e9),
+        )
+
+
+def caller_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a caller gets for an exception: a ServingError's own code and message, anything
+    else INTERNAL, logged here with its traceback (the one place that logs it)."""
+    if not isinstance(exc, ServingError):
+        log.error("unexpected error in %s", method, exc_info=exc)
+    return status_of(exc)
+
+
+def unary_errors(handler):
+    """A unary handler's exceptions become its call's status (see `caller_status`)."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await context.abort(*caller_status(exc, handler.__name__))
+
+    return wrapper
 
 
 class Dispatcher:
@@ -67,8 +109,8 @@ class Dispatcher:
         parameter), counted from receipt, tightens it.
         """
         loop = asyncio.get_running_loop()
-        received = loop.time()
-        start = time.perf_counter()
+        received_loop = loop.time()
+        received = time.perf_counter()
         served = self.models.get(model or self.default)
         metrics = served.metrics if served is not None else self._unknown
         metrics.inflight.inc()
@@ -77,23 +119,23 @@ class Dispatcher:
             if served is None:
                 raise self._not_found(model)
             request, timeout_s = decode(served)
-            if timeout_s is not None:
-                own = received + timeout_s
-                deadline = own if deadline is None else min(deadline, own)
-            answer = await served.submit(request, deadline)
-            return encode(served, request, answer, start)
+            # The RPC deadline cancels this call by itself; only a tighter timeout carried in the
+            # request needs the batcher's timer.
+            expire = False
+            if timeout_s is not None and (deadline is None or received_loop + timeout_s < deadline):
+                deadline, expire = received_loop + timeout_s, True
+            answer = await served.submit(request, deadline, expire=expire)
+            return encode(served, request, answer, received)
         except asyncio.CancelledError:
             expired = deadline is not None and loop.time() >= deadline
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except BaseException as exc:
             code, _ = status_of(exc)
-            if not isinstance(exc, ServingError):
-                log.exception("unexpected error in %s", method)
             raise
         finally:
             metrics.inflight.dec()
-            metrics.request_done(method, code.name, time.perf_counter() - start)
+            metrics.request_done(method, code, time.perf_counter() - received)
 
 
 async def answer_concurrently(messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]]) -> AsyncIterator[R]:

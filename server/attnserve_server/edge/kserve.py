@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
-from attnserve_server.edge.wire import DTYPE_NAMES, TORCH_DTYPES, WireTensor, build_request, tensor_bytes
+from attnserve_server import dtypes
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.edge.wire import WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound
 from attnserve_server.metrics import Duration, InferenceStats
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -32,7 +32,6 @@ TIMEOUT = "timeout"  # Triton's per-request timeout, microseconds: a deadline
 IGNORED = ("priority", "triton_enable_empty_final_response")
 # Typed `contents` fields by datatype; FP16 and BF16 have none (raw only).
 _TYPED = {"FP32": "fp32_contents", "BOOL": "bool_contents", "INT32": "int_contents", "INT64": "int64_contents"}
-_NUMPY = {"FP32": np.float32, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64}
 _CONFIG_TYPE = {
     "FP32": v2.TYPE_FP32,
     "FP16": v2.TYPE_FP16,
@@ -105,7 +104,7 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
     name, datatype = tensor.name, tensor.datatype
     present = [f.name for f, _ in tensor.contents.ListFields()]
     where = f"inputs[{i}].contents"
-    if datatype not in TORCH_DTYPES:
+    if datatype not in dtypes.BY_NAME:
         return b""  # build_request names the datatype it expected
     field = _TYPED.get(datatype)
     if field is None:
@@ -119,7 +118,7 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
         raise InvalidArgument(
             f"{where}.{field}: expected {math.prod(shape)} elements for input {name!r} shape {shape}, got {len(values)}"
         )
-    return np.asarray(values, dtype=np.dtype(_NUMPY[datatype]).newbyteorder("<")).tobytes()
+    return np.asarray(values, dtype=dtypes.BY_NAME[datatype].storage).tobytes()
 
 
 def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], bool]:
@@ -184,32 +183,30 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
     return Decoded(request, outputs, typed, timeout)
 
 
-def _output(response: v2.ModelInferResponse, name: str, t: torch.Tensor, typed: bool) -> None:
-    datatype = DTYPE_NAMES[t.dtype]
-    out = response.outputs.add(name=name, datatype=datatype, shape=t.shape)
-    if typed and datatype in _TYPED:
-        getattr(out.contents, _TYPED[datatype]).extend(t.reshape(-1).tolist())
+def _output(response: v2.ModelInferResponse, name: str, dtype: str, shape, data: bytes, typed: bool) -> None:
+    out = response.outputs.add(name=name, datatype=dtype, shape=shape)
+    if typed and dtype in _TYPED:
+        getattr(out.contents, _TYPED[dtype]).extend(np.frombuffer(data, dtype=dtypes.BY_NAME[dtype].storage).tolist())
     else:
-        response.raw_output_contents.append(tensor_bytes(t))
+        response.raw_output_contents.append(data)  # one copy, made by protobuf
 
 
 def encode(
-    spec: ModelSpec,
-    msg: v2.ModelInferRequest,
-    decoded: Decoded,
-    output: torch.Tensor,
-    weights: torch.Tensor | None,
-    timing: dict[str, int],
+    spec: ModelSpec, msg: v2.ModelInferRequest, decoded: Decoded, answer: Answer, timing: dict[str, int]
 ) -> v2.ModelInferResponse:
     response = v2.ModelInferResponse(model_name=spec.name, model_version=VERSION, id=msg.id)
     for key, value in timing.items():
         response.parameters[key].int64_param = value
+    dtype = spec.dtype.name
     for name in decoded.outputs:
         if name == OUTPUT:
-            _output(response, name, output, decoded.typed)
-        elif weights is not None:
+            _output(response, name, dtype, answer.output_shape, answer.output, decoded.typed)
+        elif answer.weights is not None:
             # Averaged weights [B, L, S] go out as [B, 1, L, S]: one rank for both forms.
-            _output(response, name, weights if weights.dim() == 4 else weights.unsqueeze(1), decoded.typed)
+            shape = answer.weights_shape
+            if len(shape) == 3:
+                shape = (shape[0], 1, *shape[1:])
+            _output(response, name, dtype, shape, answer.weights, decoded.typed)
     return response
 
 
@@ -226,7 +223,7 @@ class _Tensor:
 
 
 def _inputs(spec: ModelSpec) -> list[_Tensor]:
-    dt = DTYPE_NAMES[spec.dtype]
+    dt = spec.dtype.name
     seq = [_Tensor("query", dt, (-1, spec.embed_dim))]
     if spec.kind is ModelKind.SDPA:
         seq += [_Tensor("key", dt, (-1, spec.kdim)), _Tensor("value", dt, (-1, spec.vdim))]
@@ -248,7 +245,7 @@ def _inputs(spec: ModelSpec) -> list[_Tensor]:
 
 
 def _outputs(spec: ModelSpec) -> list[_Tensor]:
-    dt = DTYPE_NAMES[spec.dtype]
+    dt = spec.dtype.name
     # attention_weights: [heads, L, S], heads = num_heads or 1 when averaged.
     return [_Tensor(OUTPUT, dt, (-1, spec.output_dim)), _Tensor(WEIGHTS, dt, (-1, -1, -1), optional=True)]
 

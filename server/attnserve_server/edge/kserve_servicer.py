@@ -11,11 +11,10 @@ from importlib import metadata
 
 import grpc
 
-from attnserve_server.domain import AttentionRequest
+from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge import kserve
-from attnserve_server.edge.dispatch import Dispatcher, answer_concurrently
-from attnserve_server.errors import ServingError, status_of
-from attnserve_server.model import Answer, ServedModel
+from attnserve_server.edge.dispatch import Dispatcher, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.model import ServedModel
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -35,13 +34,9 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         self._dispatch = dispatcher
         self._version = _server_version()
 
-    async def _model(self, name: str, version: str, context: grpc.aio.ServicerContext) -> ServedModel:
-        try:
-            served = self._dispatch.model(name)
-            kserve.check_version(served.spec, version)
-        except ServingError as error:
-            await context.abort(error.code, error.message)
-            raise
+    def _model(self, name: str, version: str) -> ServedModel:
+        served = self._dispatch.model(name)
+        kserve.check_version(served.spec, version)
         return served
 
     # -- health and metadata ---------------------------------------------------------------
@@ -52,26 +47,25 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(self, request: v2.ServerReadyRequest, context) -> v2.ServerReadyResponse:
         return v2.ServerReadyResponse(ready=all(m.ready for m in self._dispatch.models.values()))
 
+    @unary_errors
     async def ModelReady(self, request: v2.ModelReadyRequest, context) -> v2.ModelReadyResponse:
-        served = await self._model(request.name, request.version, context)
-        return v2.ModelReadyResponse(ready=served.ready)
+        return v2.ModelReadyResponse(ready=self._model(request.name, request.version).ready)
 
     async def ServerMetadata(self, request: v2.ServerMetadataRequest, context) -> v2.ServerMetadataResponse:
         return v2.ServerMetadataResponse(name="attnserve", version=self._version, extensions=EXTENSIONS)
 
+    @unary_errors
     async def ModelMetadata(self, request: v2.ModelMetadataRequest, context) -> v2.ModelMetadataResponse:
-        served = await self._model(request.name, request.version, context)
-        return kserve.model_metadata(served.spec)
+        return kserve.model_metadata(self._model(request.name, request.version).spec)
 
+    @unary_errors
     async def ModelConfig(self, request: v2.ModelConfigRequest, context) -> v2.ModelConfigResponse:
-        served = await self._model(request.name, request.version, context)
+        served = self._model(request.name, request.version)
         return v2.ModelConfigResponse(config=kserve.model_config(served.spec, served.settings, served.devices))
 
+    @unary_errors
     async def ModelStatistics(self, request: v2.ModelStatisticsRequest, context) -> v2.ModelStatisticsResponse:
-        if request.name:
-            models = [await self._model(request.name, request.version, context)]
-        else:
-            models = list(self._dispatch.models.values())
+        models = [self._model(request.name, request.version)] if request.name else list(self._dispatch.models.values())
         return v2.ModelStatisticsResponse(
             model_stats=[kserve.model_statistics(m.spec, m.metrics.stats) for m in models]
         )
@@ -94,32 +88,29 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
             decoded = kserve.decode(msg, served.spec)
             return decoded.request, decoded.timeout_s
 
-        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, start: float):
+        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, received: float):
+            queue_ns, compute_ns, _ = Timing.of(answer, received)
             timing = {
-                "queue_ns": int(answer.queue_s * 1e9),
-                "compute_ns": int(answer.compute_s * 1e9),
-                "batch_size": answer.batch_size,
-                "batch_sequences": answer.batch_sequences,
+                "queue_ns": queue_ns,
+                "compute_ns": compute_ns,
+                "batch_size": answer.batch.requests,
+                "batch_sequences": answer.batch.sequences,
             }
             assert decoded is not None
-            return kserve.encode(served.spec, msg, decoded, answer.result.output, answer.result.weights, timing)
+            return kserve.encode(served.spec, msg, decoded, answer, timing)
 
         deadline = self._dispatch.deadline(context)
         return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode)
 
+    @unary_errors
     async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:
-        try:
-            return await self._infer(request, "ModelInfer", context)
-        except Exception as exc:
-            code, message = status_of(exc)
-            await context.abort(code, message)
-            raise  # unreachable: abort raises
+        return await self._infer(request, "ModelInfer", context)
 
     async def _infer_in_band(self, msg: v2.ModelInferRequest, context) -> v2.ModelStreamInferResponse:
         try:
             return v2.ModelStreamInferResponse(infer_response=await self._infer(msg, "ModelStreamInfer", context))
         except Exception as exc:
-            code, message = status_of(exc)
+            code, message = caller_status(exc, "ModelStreamInfer")
             failed = v2.ModelInferResponse(model_name=msg.model_name, model_version=msg.model_version, id=msg.id)
             failed.parameters["error_code"].string_param = code.name
             return v2.ModelStreamInferResponse(error_message=message, infer_response=failed)

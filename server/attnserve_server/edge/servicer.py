@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
-from attnserve_server.domain import AttentionRequest
+from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
-from attnserve_server.edge.dispatch import Dispatcher, Encode, answer_concurrently
-from attnserve_server.errors import ServingError, status_of
-from attnserve_server.model import Answer, ServedModel
+from attnserve_server.edge.dispatch import Dispatcher, Encode, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.model import ServedModel
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
@@ -24,15 +22,15 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     @staticmethod
     def _encode(msg: pb.AttendRequest) -> Encode[pb.AttendResponse]:
-        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, start: float) -> pb.AttendResponse:
+        def encode(
+            served: ServedModel, request: AttentionRequest, answer: Answer, received: float
+        ) -> pb.AttendResponse:
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
-            fill_response(response, answer.result.output, answer.result.weights, request.unbatched)
+            fill_response(response, served.spec, request, answer)
+            queue_ns, compute_ns, server_ns = Timing.of(answer, received)
             t = response.timing
-            t.queue_ns = int(answer.queue_s * 1e9)
-            t.compute_ns = int(answer.compute_s * 1e9)
-            t.batch_size = answer.batch_size
-            t.batch_sequences = answer.batch_sequences
-            t.server_ns = int((time.perf_counter() - start) * 1e9)
+            t.queue_ns, t.compute_ns, t.server_ns = queue_ns, compute_ns, server_ns
+            t.batch_size, t.batch_sequences = answer.batch.requests, answer.batch.sequences
             return response
 
         return encode
@@ -42,19 +40,15 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             msg.model, method, deadline, lambda served: (request_from_proto(msg, served.spec), None), self._encode(msg)
         )
 
+    @unary_errors
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
-        try:
-            return await self._answer(request, "Attend", self._dispatch.deadline(context))
-        except Exception as exc:
-            code, message = status_of(exc)
-            await context.abort(code, message)
-            raise  # unreachable: abort raises
+        return await self._answer(request, "Attend", self._dispatch.deadline(context))
 
     async def _answer_in_band(self, msg: pb.AttendRequest, deadline: float | None) -> pb.AttendResponse:
         try:
             return await self._answer(msg, "AttendStream", deadline)
         except Exception as exc:
-            code, message = status_of(exc)
+            code, message = caller_status(exc, "AttendStream")
             return pb.AttendResponse(
                 model=msg.model,
                 request_id=msg.request_id,
@@ -73,13 +67,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[self._metadata(m) for m in self._dispatch.models.values()])
 
+    @unary_errors
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelMetadata:
-        try:
-            served = self._dispatch.model(request.model)
-        except ServingError as error:
-            await context.abort(error.code, error.message)
-            raise
-        return self._metadata(served)
+        return self._metadata(self._dispatch.model(request.model))
 
     @staticmethod
     def _metadata(served: ServedModel) -> pb.ModelMetadata:

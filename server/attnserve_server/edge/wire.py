@@ -10,35 +10,17 @@ Datatypes are named as KServe v2 names them: FP32, FP16, BF16, BOOL, INT32, INT6
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from attnserve_server.domain import AttentionRequest, ModelKind, ModelSpec
+from attnserve_server import dtypes
+from attnserve_server.domain import AttentionRequest, HostTensor, ModelKind, ModelSpec
 from attnserve_server.errors import InvalidArgument
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "FP32": torch.float32,
-    "FP16": torch.float16,
-    "BF16": torch.bfloat16,
-    "BOOL": torch.bool,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
-LENGTH_DTYPES = ("INT32", "INT64")
 INPUT_NAMES = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
 _WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
-
-# torch.frombuffer warns, once per process, that message bytes are read-only. Requests never
-# write to their tensors (the worker copies them into its batch), so spend that warning here.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +33,8 @@ class WireTensor:
     data_field: str  # where the bytes were, for messages: "query.data", "raw_input_contents[0]"
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A CPU tensor's elements as little-endian bytes (bf16 through its bit pattern)."""
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return raw.numpy().tobytes()
-
-
-def _decode(tensor: WireTensor, name: str, allowed: tuple[str, ...], ranks: tuple[int, ...], why: str) -> torch.Tensor:
-    """Checks dtype, rank, dims and byte length, then views the bytes as a tensor (no copy)."""
+def _check(tensor: WireTensor, name: str, allowed: tuple[str, ...], ranks: tuple[int, ...], why: str) -> list[int]:
+    """Checks dtype, rank, dims and byte length as integers; returns the shape. Reads no element."""
     if tensor.dtype not in allowed:
         raise InvalidArgument(f"{name}.dtype: expected {' or '.join(allowed)}{why}, got {tensor.dtype}")
     shape = list(tensor.shape)
@@ -67,51 +43,56 @@ def _decode(tensor: WireTensor, name: str, allowed: tuple[str, ...], ranks: tupl
         raise InvalidArgument(f"{name}.shape: expected {expected} dimensions, got {shape}")
     if any(d <= 0 for d in shape):
         raise InvalidArgument(f"{name}.shape: dimensions must be positive, got {shape}")
-    expected_bytes = math.prod(shape) * ITEMSIZE[tensor.dtype]
+    expected_bytes = math.prod(shape) * dtypes.BY_NAME[tensor.dtype].itemsize
     if len(tensor.data) != expected_bytes:
         raise InvalidArgument(
             f"{tensor.data_field}: expected {expected_bytes} bytes for shape {shape} {tensor.dtype}, "
             f"got {len(tensor.data)}"
         )
-    if tensor.dtype == "BOOL" and np.frombuffer(tensor.data, dtype=np.uint8).max() > 1:
-        raise InvalidArgument(f"{tensor.data_field}: BOOL elements must be bytes 0 or 1")
-    return torch.frombuffer(tensor.data, dtype=TORCH_DTYPES[tensor.dtype]).view(shape)
+    return shape
 
 
-def _sequence(tensors: Mapping[str, WireTensor], name: str, spec: ModelSpec, rank: int, width: int) -> torch.Tensor:
+def _array(tensor: WireTensor, shape: list[int]) -> np.ndarray:
+    """A small checked input (a mask, lengths) as a numpy view of its bytes."""
+    return np.frombuffer(tensor.data, dtype=dtypes.BY_NAME[tensor.dtype].storage).reshape(shape)
+
+
+def _sequence(tensors: Mapping[str, WireTensor], name: str, spec: ModelSpec, rank: int, width: int) -> HostTensor:
     """A float input of the model's dtype: [B, T, width] (or [T, width] when the query is unbatched)."""
     why = f" (the dtype of model {spec.name!r})"
-    t = _decode(tensors[name], name, (DTYPE_NAMES[spec.dtype],), (rank,), why)
-    if t.shape[-1] != width:
+    tensor = tensors[name]
+    shape = _check(tensor, name, (spec.dtype.name,), (rank,), why)
+    if shape[-1] != width:
         raise InvalidArgument(
-            f"{name}.shape[-1]: expected {_WIDTH_LABEL[name]} {width}, got {t.shape[-1]} (shape {list(t.shape)})"
+            f"{name}.shape[-1]: expected {_WIDTH_LABEL[name]} {width}, got {shape[-1]} (shape {shape})"
         )
-    return t if rank == 3 else t.unsqueeze(0)
+    b, t, d = shape if rank == 3 else (1, *shape)
+    return HostTensor(tensor.data, (b, t, d))
 
 
-def _key_padding(tensors: Mapping[str, WireTensor], batch: int, keys: int, unbatched: bool) -> torch.Tensor | None:
+def _key_padding(tensors: Mapping[str, WireTensor], batch: int, keys: int, unbatched: bool) -> np.ndarray | None:
     mask_in, lengths_in = tensors.get("key_padding_mask"), tensors.get("key_lengths")
     if mask_in is not None and lengths_in is not None:
         raise InvalidArgument("key_padding_mask, key_lengths: send at most one of the two")
     if mask_in is not None:
         expected = [keys] if unbatched else [batch, keys]
-        mask = _decode(mask_in, "key_padding_mask", ("BOOL",), (len(expected),), "")
-        if list(mask.shape) != expected:
+        shape = _check(mask_in, "key_padding_mask", ("BOOL",), (len(expected),), "")
+        if shape != expected:
             form = "[S]" if unbatched else "[B, S]"
-            raise InvalidArgument(f"key_padding_mask.shape: expected {form} = {expected}, got {list(mask.shape)}")
-        return mask.view(batch, keys)
+            raise InvalidArgument(f"key_padding_mask.shape: expected {form} = {expected}, got {shape}")
+        if np.frombuffer(mask_in.data, dtype=np.uint8).max() > 1:
+            raise InvalidArgument(f"{mask_in.data_field}: BOOL elements must be bytes 0 or 1")
+        return _array(mask_in, shape).reshape(batch, keys)
     if lengths_in is not None:
-        lengths = _decode(lengths_in, "key_lengths", LENGTH_DTYPES, (0, 1), "")
-        if lengths.numel() != batch:
-            raise InvalidArgument(
-                f"key_lengths.shape: expected one length per sequence ([{batch}]), got {list(lengths.shape)}"
-            )
-        lengths = lengths.reshape(batch).to(torch.int64)
+        shape = _check(lengths_in, "key_lengths", dtypes.LENGTH_TYPES, (0, 1), "")
+        if math.prod(shape) != batch:
+            raise InvalidArgument(f"key_lengths.shape: expected one length per sequence ([{batch}]), got {shape}")
+        lengths = _array(lengths_in, shape).reshape(batch).astype(np.int64)
         low, high = int(lengths.min()), int(lengths.max())
         if low < 1 or high > keys:
             bad = low if low < 1 else high
             raise InvalidArgument(f"key_lengths: expected lengths in 1..{keys} (the key sequence length), got {bad}")
-        return torch.arange(keys).unsqueeze(0) >= lengths.unsqueeze(1)
+        return np.arange(keys)[None, :] >= lengths[:, None]
     return None
 
 
@@ -200,11 +181,11 @@ def build_request(
     padding = _key_padding(tensors, batch, keys, unbatched=rank == 2)
     if padding is not None:
         # A query row that sees no key would come out NaN: refuse it here.
-        if bool(padding.all(dim=1).any()):
-            seq = int(padding.all(dim=1).nonzero()[0])
+        if padding.all(axis=1).any():
+            seq = int(padding.all(axis=1).argmax())
             raise InvalidArgument(f"key_padding_mask: sequence {seq} masks every key; at least one must stay visible")
-        if causal and bool(padding[:, 0].any()):
-            seq = int(padding[:, 0].nonzero()[0])
+        if causal and padding[:, 0].any():
+            seq = int(padding[:, 0].argmax())
             raise InvalidArgument(
                 f"key_padding_mask: with causal=true key 0 must stay visible (query 0 sees only key 0); "
                 f"sequence {seq} masks it"

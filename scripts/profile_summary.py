@@ -1,0 +1,97 @@
+"""Summarises a `py-spy record --threads --idle --native --format raw` profile: where each thread's time goes.
+
+    python scripts/profile_summary.py profile.txt [--requests N]
+
+Each sample is charged to one category. A sample whose stack passes through the project's own code
+(or prometheus_client) goes to the deepest such frame's category, so library calls made by a step are
+charged to that step (torch.frombuffer inside decoding is decoding). Otherwise the innermost frame
+decides: protobuf, gRPC's core, asyncio, or idle (the thread blocked in epoll, futex, ...). With
+--requests, the busy columns are also given as CPU microseconds per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter, defaultdict
+
+# (category, pattern on one frame "function (file:line)"), checked from the leaf towards the root.
+OWN = [
+    ("metrics", r"prometheus_client|attnserve_server/metrics\.py|attnserve_server/engine/stats\.py"),
+    ("decode + validate", r"edge/wire\.py|edge/kserve\.py:\d+\)$|kserve\.py.*decode|edge/convert\.py.*request"),
+    ("encode", r"(encode|_output|fill_response|tensor_to_proto|_set_tensor)\b.*edge/"),
+    ("batcher", r"attnserve_server/batching\.py"),
+    ("dispatch + servicer", r"edge/dispatch\.py|edge/servicer\.py|edge/kserve_servicer\.py|attnserve_server/model\.py"),
+    ("worker: staging + split", r"compute/worker\.py|compute/staging\.py"),
+    ("worker: attention", r"compute/attention\.py"),
+]
+LIBRARY = [
+    (
+        "idle (blocked)",
+        r"^(epoll_wait|epoll_pwait|poll|select|__poll|futex|__futex|pthread_cond|sem_wait|do_futex_wait"
+        r"|__GI___poll|syscall|nanosleep|clock_nanosleep|sched_yield|gomp_.*wait|__lll_lock_wait|take_gil)",
+    ),
+    ("protobuf", r"google/protobuf|_message\.|upb|FromString|SerializeToString"),
+    ("gRPC core", r"grpc/_cython|cygrpc|libgrpc|grpc_core|grpc::|absl::"),
+    ("torch (other)", r"libtorch|libgomp|at::|c10::|mkl|dnnl|torch/"),
+    ("asyncio", r"asyncio/"),
+]
+_OWN = [(name, re.compile(p)) for name, p in OWN]
+_LIB = [(name, re.compile(p)) for name, p in LIBRARY]
+
+
+def categorise(frames: list[str]) -> str:
+    for frame in reversed(frames):  # leaf first
+        for name, pattern in _OWN:
+            if pattern.search(frame):
+                return name
+    leaf = frames[-1] if frames else ""
+    for name, pattern in _LIB:
+        if pattern.search(leaf):
+            return name
+    for frame in reversed(frames):
+        for name, pattern in _LIB[1:]:
+            if pattern.search(frame):
+                return name
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("profile")
+    ap.add_argument("--requests", type=int, default=0, help="requests answered while py-spy recorded")
+    ap.add_argument("--duration-s", type=float, default=0.0, help="how long py-spy recorded")
+    ap.add_argument("--rate", type=float, default=100.0, help="py-spy's sampling rate (samples/s)")
+    ap.add_argument("--min-share", type=float, default=0.01, help="hide threads with less of the samples")
+    args = ap.parse_args()
+    threads: dict[str, Counter] = defaultdict(Counter)
+    with open(args.profile) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        thread = re.sub(r"\s*\(?0x[0-9a-f]+\)?|\s*\(\d+\)", "", frames[0]).strip() or frames[0]
+        threads[thread][categorise(frames[1:])] += int(count)
+    total = sum(sum(c.values()) for c in threads.values())
+    per_request_us = 1e6 / args.rate / args.requests if args.requests else 0.0
+    for thread, counts in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+        samples = sum(counts.values())
+        if samples < args.min_share * total:
+            continue
+        busy = samples - counts.get("idle (blocked)", 0)
+        print(f"\n### {thread}: {samples} samples, busy {100 * busy / samples:.0f}%")
+        print("| category | share of thread | CPU us / request |" if per_request_us else "| category | share |")
+        print("| --- | ---: | ---: |" if per_request_us else "| --- | ---: |")
+        for name, n in counts.most_common():
+            share = f"{100 * n / samples:.1f}%"
+            if per_request_us:
+                us = "" if name.startswith("idle") else f"{n * per_request_us:.0f}"
+                print(f"| {name} | {share} | {us} |")
+            else:
+                print(f"| {name} | {share} |")
+
+
+if __name__ == "__main__":
+    main()
