@@ -2,11 +2,13 @@
 
     python scripts/profile_summary.py profile.txt [--requests N]
 
-Each sample is charged to one category. A sample whose stack passes through the project's own code
-(or prometheus_client) goes to the deepest such frame's category, so library calls made by a step are
+Each sample is charged to one category. First by what the thread is blocked in, if anything: waiting
+to take the GIL back (after a torch call or a C call that released it), or idle (blocked in epoll, a
+lock or a condition: no work). Then a sample whose stack passes through the project's own code (or
+prometheus_client) goes to the deepest such frame's category, so library calls made by a step are
 charged to that step (torch.frombuffer inside decoding is decoding). Otherwise the innermost frame
-decides: protobuf, gRPC's core, asyncio, or idle (the thread blocked in epoll, futex, ...). With
---requests, the busy columns are also given as CPU microseconds per request.
+decides: protobuf, gRPC's core, OpenMP (torch's thread pool), asyncio. With --requests, the busy
+columns are also given as CPU microseconds per request.
 """
 
 from __future__ import annotations
@@ -26,21 +28,29 @@ OWN = [
     ("worker: attention", r"compute/attention\.py"),
 ]
 LIBRARY = [
-    (
-        "idle (blocked)",
-        r"^(epoll_wait|epoll_pwait|poll|select|__poll|futex|__futex|pthread_cond|sem_wait|do_futex_wait"
-        r"|__GI___poll|syscall|nanosleep|clock_nanosleep|sched_yield|gomp_.*wait|__lll_lock_wait|take_gil)",
-    ),
     ("protobuf", r"google/protobuf|_message\.|upb|FromString|SerializeToString"),
     ("gRPC core", r"grpc/_cython|cygrpc|libgrpc|grpc_core|grpc::|absl::"),
-    ("torch (other)", r"libtorch|libgomp|at::|c10::|mkl|dnnl|torch/"),
+    ("OpenMP (torch's threads: barriers, spinning)", r"libgomp|GOMP_"),
+    ("torch (other)", r"libtorch|at::|c10::|mkl|dnnl|torch/"),
     ("asyncio", r"asyncio/"),
 ]
+GIL = re.compile(r"take_gil|gil_scoped_release|PyEval_RestoreThread|PyEval_AcquireThread|PyGILState_Ensure")
+WAIT = re.compile(
+    r"^(epoll_wait|epoll_pwait|poll|__poll|select|pthread_cond_wait|pthread_cond_timedwait|PyThread_acquire_lock"
+    r"|sem_wait|sem_timedwait|do_futex_wait|__lll_lock_wait|nanosleep|clock_nanosleep|accept|recv|read )"
+)
+UNNAMED = re.compile(r"^0x[0-9a-f]+ \(")  # an address in a library without symbols (libc's futex, say)
 _OWN = [(name, re.compile(p)) for name, p in OWN]
 _LIB = [(name, re.compile(p)) for name, p in LIBRARY]
 
 
 def categorise(frames: list[str]) -> str:
+    named = [f for f in frames if not UNNAMED.match(f)]
+    if named and WAIT.match(named[-1]):
+        # Blocked: on the GIL if a GIL-taking frame is just above the wait, else idle.
+        return "waiting for the GIL" if any(GIL.search(f) for f in named[-4:]) else "idle (blocked)"
+    if any(GIL.search(f) for f in named[-2:]):
+        return "waiting for the GIL"
     for frame in reversed(frames):  # leaf first
         for name, pattern in _OWN:
             if pattern.search(frame):
@@ -50,7 +60,7 @@ def categorise(frames: list[str]) -> str:
         if pattern.search(leaf):
             return name
     for frame in reversed(frames):
-        for name, pattern in _LIB[1:]:
+        for name, pattern in _LIB:
             if pattern.search(frame):
                 return name
     return "other"

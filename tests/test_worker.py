@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.model import spec_from_settings
@@ -44,3 +46,25 @@ def test_a_batch_report_counts_tokens_and_padding() -> None:
     assert abs(report.padding_fraction - (1 - 22 / 30)) < 1e-9
     assert [a.output_shape for a in answers] == [(2, 3, 16), (1, 5, 16)]
     assert [output_of(a).shape for a in answers] == [(2, 3, 16), (1, 5, 16)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
+def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, weights: str) -> None:
+    spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
+    params = random_projections(spec, 0)
+    fused, explicit = AttentionCompute(spec, params), AttentionCompute(spec, params, fused=False)
+    assert fused.fused and not explicit.fused
+    x = torch.randn(3, 7, 16)
+    padding = (torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]) if padded else None
+    need, average = weights != "none", weights == "averaged"
+    with torch.inference_mode():
+        y1, w1 = fused(x, None, None, padding, causal, need, average)
+        y2, w2 = explicit(x, None, None, padding, causal, need, average)
+    torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
+    if need:
+        assert w1 is not None and w2 is not None and w1.shape == w2.shape
+        torch.testing.assert_close(w1, w2, atol=1e-5, rtol=1e-5)
+    else:
+        assert w1 is None and w2 is None

@@ -1,4 +1,11 @@
-"""Multi-head attention on padded batches: torch.nn.MultiheadAttention's semantics."""
+"""Multi-head attention on padded batches: torch.nn.MultiheadAttention's semantics.
+
+Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
+own inference fast path calls, so a batch crosses from Python into torch once: every op called
+from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
+holds it (measured in BENCHMARKS.md). Cross attention, the bare operation and odd head counts take
+the explicit path below, as torch's module does.
+"""
 
 from __future__ import annotations
 
@@ -22,16 +29,56 @@ def visibility_mask(
     return allowed
 
 
+_NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
+
+
 class AttentionCompute:
     """Y = concat_h(softmax(Q K^T / sqrt(d)) V) W_O for one model on one device."""
 
-    def __init__(self, spec: ModelSpec, params: Projections | None) -> None:
+    def __init__(self, spec: ModelSpec, params: Projections | None, fused: bool = True) -> None:
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
         self.params = params
         self.heads = spec.num_heads
         self.scale = 1.0 / math.sqrt(spec.embed_dim // spec.num_heads)
+        # torch's fused kernel takes the packed [W_Q; W_K; W_V], biases (zeros stand in for none) and
+        # an even number of heads: the conditions of torch.nn.MultiheadAttention's own fast path.
+        self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
+        self.fused = self.fused and spec.num_heads % 2 == 0
+        if self.fused:
+            p = params
+            e = spec.embed_dim
+            zeros = p.packed.new_zeros  # type: ignore[union-attr]
+            self._qkv_bias = p.packed_bias if p.packed_bias is not None else zeros(3 * e)
+            self._out_bias = p.out_bias if p.out_bias is not None else zeros(e)
+        self._causal: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _fused_mask(
+        self, key_padding: torch.Tensor | None, causal: bool, query: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """The mask and mask type the fused op takes, built as torch.nn.MultiheadAttention.merge_masks
+        builds them: additive float masks, key padding [N, S] (type 1) or merged [N, h, L, L] (type 2)."""
+        n, length, _ = query.shape
+        padding = None
+        if key_padding is not None:
+            padding = torch.zeros(key_padding.shape, dtype=query.dtype, device=query.device)
+            padding.masked_fill_(key_padding, float("-inf"))
+        if not causal:
+            return padding, None if padding is None else 1
+        key = (length, query.dtype, query.device)
+        future = self._causal.get(key)
+        if future is None:
+            # Cached per length (the worker's thread alone uses it); cleared if lengths keep changing.
+            if len(self._causal) >= 64:
+                self._causal.clear()
+            blocked = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+            future = torch.zeros(length, length, dtype=query.dtype, device=query.device)
+            future = self._causal[key] = future.masked_fill(blocked, float("-inf"))
+        merged = future.view(1, 1, length, length).expand(n, self.heads, -1, -1)
+        if padding is not None:
+            merged = merged + padding.view(n, 1, 1, length).expand(-1, self.heads, -1, -1)
+        return merged, 2
 
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
@@ -61,6 +108,14 @@ class AttentionCompute:
         average_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """query [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
+        if self.fused and key is None:
+            p = self.params
+            mask, mask_type = self._fused_mask(key_padding, causal, query)
+            y, w = _NATIVE_MHA(  # type: ignore[misc]
+                query, query, query, self.spec.embed_dim, self.heads, p.packed, self._qkv_bias,  # type: ignore[union-attr]
+                p.out_weight, self._out_bias, mask, need_weights, average_weights, mask_type,  # type: ignore[union-attr]
+            )  # fmt: skip
+            return y, (w if need_weights else None)
         q, k, v = self._project(query, key, value)
         length = q.shape[1]
         s = k.shape[1]
