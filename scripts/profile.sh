@@ -5,6 +5,7 @@
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
+#   SPY=0 scripts/profile.sh        no py-spy: only throughput and the server's CPU time per request
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
 # Requests per second come from perf_analyzer's own count over its whole window.
 set -euo pipefail
@@ -43,14 +44,24 @@ LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-d
   --concurrency-range "$CONC:$CONC" --measurement-interval $((SECONDS_PA * 1000 / 3)) -s 1000 -r 3 \
   "${MODE_FLAG[@]}" >"$OUT/perf_analyzer.log" 2>&1 &
 LOAD=$!
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; } # utime + stime, every thread of the process
 sleep 4 # perf_analyzer's warm-up
-py-spy record --pid "$PID" --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
-  -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
+t0=$(date +%s.%N) c0=$(cpu_ticks)
+if [ "${SPY:-1}" = 1 ]; then
+  py-spy record --pid "$PID" --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
+    -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
+else
+  sleep "$SECONDS_SPY"
+fi
+t1=$(date +%s.%N) c1=$(cpu_ticks)
 wait $LOAD || true
 rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail -n 1)
 [ -n "$rate" ] || { cat "$OUT/perf_analyzer.log"; exit 1; }
 requests=$((rate * SECONDS_SPY))
 echo "perf_analyzer: $rate req/s at concurrency $CONC ($MODE); about $requests requests while recording" | tee "$OUT/summary.md"
-"$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
+python3 -c "import sys; t0, t1, c, r, hz = map(float, sys.argv[1:]); t = t1 - t0
+print(f'server process: {c / hz / t:.2f} cores busy, {1e6 * c / hz / (r * t):.0f} us CPU per request')" \
+  "$t0" "$t1" "$((c1 - c0))" "$rate" "$(getconf CLK_TCK)" | tee -a "$OUT/summary.md"
+[ "${SPY:-1}" = 1 ] && "$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
 grep -E "Throughput|p50 latency|p99 latency" "$OUT/perf_analyzer.log" | tee -a "$OUT/summary.md" || true
 echo "profile in $OUT"

@@ -94,6 +94,37 @@ def test_requests_queue_while_the_runner_is_busy_and_then_run_as_one_batch() -> 
     run(main())
 
 
+def test_the_next_batch_reaches_the_runner_before_the_last_batchs_callers_wake() -> None:
+    # The device must not idle while the loop answers a finished batch: the runner is handed the
+    # queued requests first, and only then do the finished batch's callers resume.
+    events: list[str] = []
+
+    class Recording(FakeRunner):
+        def __call__(self, items: list[object]):
+            events.append(f"run {items}")
+            return super().__call__(items)
+
+    async def main() -> None:
+        runner = Recording()
+        b = Batcher([runner], limits())
+        b.start()
+
+        async def caller(item: str) -> None:
+            await b.submit(item, sequences=1, length=1, group="g")
+            events.append(f"answered {item}")
+
+        first = asyncio.ensure_future(caller("a"))
+        await runner.started.wait()
+        rest = [asyncio.ensure_future(caller(x)) for x in "bc"]
+        await until(lambda: b.depth == 2)
+        runner.gate.set()
+        await asyncio.gather(first, *rest)
+        assert events[:3] == ["run ['a']", "run ['b', 'c']", "answered a"]
+        await b.close()
+
+    run(main())
+
+
 def test_a_batch_closes_at_max_batch_size_counted_in_sequences() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -24,6 +24,10 @@ Runner = Callable[[list[T]], Awaitable[list[R]]]
 log = logging.getLogger(__name__)
 
 
+async def _failed(exc: Exception):
+    raise exc
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     max_batch_size: int  # sequences
@@ -226,17 +230,23 @@ class Batcher(Generic[T, R]):
             except BaseException:
                 self._idle.put_nowait(runner)
                 raise
-            task = asyncio.get_running_loop().create_task(self._run(runner, batch))
+            started = asyncio.get_running_loop().time()
+            self._observer.batch_started(len(batch), [started - e.enqueued for e in batch])
+            # Called here, not in the task: a runner that submits its work when called (the model's
+            # does, to its device thread) has the batch on the device before this loop yields.
+            try:
+                pending = runner([e.item for e in batch])
+            except Exception as exc:
+                pending = _failed(exc)
+            task = asyncio.get_running_loop().create_task(self._run(runner, batch, pending))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _run(self, runner: Runner, batch: list[_Entry[T]]) -> None:
+    async def _run(self, runner: Runner, batch: list[_Entry[T]], pending: Awaitable[list[R]]) -> None:
+        released = False
         try:
-            started = asyncio.get_running_loop().time()
-            waits = [started - e.enqueued for e in batch]
-            self._observer.batch_started(len(batch), waits)
             try:
-                results = await runner([e.item for e in batch])
+                results = await pending
                 if len(results) != len(batch):
                     raise RuntimeError(f"runner returned {len(results)} results for {len(batch)} requests")
             except asyncio.CancelledError:
@@ -246,11 +256,18 @@ class Batcher(Generic[T, R]):
                 log.exception("batch of %d requests failed", len(batch))
                 self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
                 return
+            # Free the runner and yield once before waking this batch's callers: the batching loop,
+            # woken first, hands the runner its next batch, so the device computes while this loop
+            # encodes and sends the answers, instead of waiting for all of them.
+            self._idle.put_nowait(runner)
+            released = True
+            await asyncio.sleep(0)
             for entry, result in zip(batch, results, strict=True):
                 if not entry.future.done():  # the caller may have gone while it ran
                     entry.future.set_result(result)
         finally:
-            self._idle.put_nowait(runner)
+            if not released:
+                self._idle.put_nowait(runner)
             self._changed.set()
 
     def _fail_queued(self, error: Exception) -> None:

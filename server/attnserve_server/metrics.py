@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from attnserve_server.domain import BatchReport
 
@@ -40,30 +43,18 @@ DROP_REASONS = ("queue_full", "deadline_exceeded", "cancelled", "shutting_down")
 
 
 class Metrics:
-    """Every metric attnserve exports. Label values: model names from config, never from requests."""
+    """Every metric attnserve exports. Label values: model names from config, never from requests.
+
+    The series a request touches (requests, latency, queue wait, in-flight, queue depth) are plain
+    integers updated on the event loop and exported by `_RequestPathCollector` at scrape time: a
+    prometheus_client update takes a lock, and a request made eight of them. Per-batch series stay
+    prometheus_client objects.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter(
-            "attnserve_requests",
-            "Requests answered, by model, RPC method and gRPC status code.",
-            ["model", "method", "code"],
-            registry=registry,
-        )
-        self.request_duration = Histogram(
-            "attnserve_request_duration_seconds",
-            "Server-side latency of a request, receipt to response.",
-            ["model", "method"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.queue_wait = Histogram(
-            "attnserve_queue_wait_seconds",
-            "Time a request waited in its model's queue before its batch ran.",
-            ["model"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
+        self._models: list[ModelMetrics] = []
+        registry.register(_RequestPathCollector(self._models))
         self.compute_duration = Histogram(
             "attnserve_compute_duration_seconds",
             "Time a device worker spent on one batch, copies included.",
@@ -117,21 +108,9 @@ class Metrics:
             ["model", "reason"],
             registry=registry,
         )
-        self.queue_depth = Gauge(
-            "attnserve_queue_depth",
-            "Requests waiting in the model's queue.",
-            ["model"],
-            registry=registry,
-        )
         self.queue_capacity = Gauge(
             "attnserve_queue_capacity",
             "The most requests the model's queue holds (max_queue_size); more are refused.",
-            ["model"],
-            registry=registry,
-        )
-        self.inflight = Gauge(
-            "attnserve_inflight_requests",
-            "Requests being handled: received and not yet answered.",
             ["model"],
             registry=registry,
         )
@@ -143,7 +122,9 @@ class Metrics:
         )
 
     def for_model(self, model: str) -> ModelMetrics:
-        return ModelMetrics(self, model)
+        model_metrics = ModelMetrics(self, model)
+        self._models.append(model_metrics)
+        return model_metrics
 
     def watch_cuda_memory(self, devices: list[str]) -> None:
         if devices:
@@ -204,19 +185,19 @@ class ModelMetrics:
     def __init__(self, metrics: Metrics, model: str) -> None:
         self._metrics = metrics
         self.model = model
-        self._queue_wait = metrics.queue_wait.labels(model)
         self._batch_requests = metrics.batch_requests.labels(model)
         self._batch_sequences = metrics.batch_sequences.labels(model)
         self._batch_tokens = metrics.batch_tokens.labels(model)
         self._batch_padding = metrics.batch_padding.labels(model)
         self._tokens = metrics.tokens.labels(model)
-        self._queue_depth = metrics.queue_depth.labels(model)
-        self.inflight = metrics.inflight.labels(model)
         self.stats = InferenceStats()
         self._dropped = {reason: metrics.dropped.labels(model, reason) for reason in DROP_REASONS}
-        # (method, status code) -> its counter and histogram children: a label lookup takes a lock and
-        # builds tuples, so each pair pays it once, not once per request.
-        self._done: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
+        # The request path's series: plain numbers, written on the event loop only (see Metrics).
+        self.inflight = 0
+        self.depth = 0
+        self.requests: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
+        self.durations: dict[str, FastHistogram] = {}  # method -> receipt-to-response seconds
+        self.queue_wait = FastHistogram(LATENCY_BUCKETS_S)
         for child in self._dropped.values():
             child.inc(0)
 
@@ -226,7 +207,7 @@ class ModelMetrics:
 
     # BatchObserver
     def queue_depth(self, depth: int) -> None:
-        self._queue_depth.set(depth)
+        self.depth = depth
 
     def dropped(self, reason: str) -> None:
         self._dropped[reason].inc()
@@ -234,7 +215,7 @@ class ModelMetrics:
     def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
         self._batch_requests.observe(requests)
         for wait in queue_waits_s:
-            self._queue_wait.observe(wait)
+            self.queue_wait.observe(wait)
             self.stats.queue.add(wait)
 
     # worker reports
@@ -257,15 +238,80 @@ class ModelMetrics:
     def batch_failed(self, device: str) -> None:
         self._metrics.batch_failures.labels(self.model, device).inc()
 
+    def request_started(self) -> None:
+        self.inflight += 1
+
     def request_done(self, method: str, code: grpc.StatusCode, duration_s: float) -> None:
-        children = self._done.get((method, code))
-        if children is None:
-            m = self._metrics
-            children = m.requests.labels(self.model, method, code.name), m.request_duration.labels(self.model, method)
-            self._done[(method, code)] = children
-        children[0].inc()
-        children[1].observe(duration_s)
+        self.inflight -= 1
+        key = (method, code.name)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        histogram = self.durations.get(method)
+        if histogram is None:
+            histogram = self.durations[method] = FastHistogram(LATENCY_BUCKETS_S)
+        histogram.observe(duration_s)
         (self.stats.success if code is grpc.StatusCode.OK else self.stats.fail).add(duration_s)
+
+
+class FastHistogram:
+    """A histogram as plain numbers: one writer (the event loop), read at scrape time without a lock.
+
+    A scrape copies the bucket list in one step, so its count always equals its +Inf bucket; the sum
+    may be one observation ahead, which Prometheus' rate() arithmetic does not notice.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: a value on a bound counts in it
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        counts = list(self.counts)
+        total, out = 0, []
+        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
+            total += n
+            out.append((floatToGoString(bound), total))
+        return out
+
+
+class _RequestPathCollector(Collector):
+    """Exports the request path's plain-number series of every model at scrape time."""
+
+    def __init__(self, models: list[ModelMetrics]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Any]:
+        requests = CounterMetricFamily(
+            "attnserve_requests", "Requests answered, by model, RPC method and gRPC status code.",
+            labels=["model", "method", "code"],
+        )  # fmt: skip
+        duration = HistogramMetricFamily(
+            "attnserve_request_duration_seconds", "Server-side latency of a request, receipt to response.",
+            labels=["model", "method"],
+        )  # fmt: skip
+        queue_wait = HistogramMetricFamily(
+            "attnserve_queue_wait_seconds", "Time a request waited in its model's queue before its batch ran.",
+            labels=["model"],
+        )  # fmt: skip
+        depth = GaugeMetricFamily("attnserve_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
+        inflight = GaugeMetricFamily(
+            "attnserve_inflight_requests", "Requests being handled: received and not yet answered.", labels=["model"]
+        )
+        for m in list(self._models):
+            for (method, code), n in list(m.requests.items()):
+                requests.add_metric([m.model, method, code], n)
+            for method, histogram in list(m.durations.items()):
+                duration.add_metric([m.model, method], histogram.buckets(), histogram.sum)
+            if m.model:  # "" collects requests for unknown models: it has no queue
+                queue_wait.add_metric([m.model], m.queue_wait.buckets(), m.queue_wait.sum)
+                depth.add_metric([m.model], m.depth)
+            inflight.add_metric([m.model], m.inflight)
+        yield from (requests, duration, queue_wait, depth, inflight)
 
 
 class _CudaMemoryCollector(Collector):

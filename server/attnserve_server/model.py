@@ -88,15 +88,19 @@ class ServedModel:
     def _runner(self, worker: DeviceWorker):
         loop = asyncio.get_running_loop()
 
-        async def run(batch: list[AttentionRequest]) -> list[Answer]:
-            try:
-                answers = await loop.run_in_executor(worker.executor, worker.run, batch)
-            except Exception:
+        def counted(future: asyncio.Future) -> None:
+            if future.cancelled():
+                return
+            if future.exception() is not None:
                 self.metrics.batch_failed(worker.name)
-                raise
-            if answers:
+            elif answers := future.result():
                 self.metrics.batch_computed(worker.name, answers[0].batch)
-            return answers
+
+        def run(batch: list[AttentionRequest]) -> asyncio.Future[list[Answer]]:
+            """Submits the batch to the worker's thread at once; the future holds its answers."""
+            future = loop.run_in_executor(worker.executor, worker.run, batch)
+            future.add_done_callback(counted)
+            return future
 
         return run
 

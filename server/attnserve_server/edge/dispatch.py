@@ -113,7 +113,7 @@ class Dispatcher:
         received = time.perf_counter()
         served = self.models.get(model or self.default)
         metrics = served.metrics if served is not None else self._unknown
-        metrics.inflight.inc()
+        metrics.request_started()
         code = grpc.StatusCode.OK
         try:
             if served is None:
@@ -134,7 +134,6 @@ class Dispatcher:
             code, _ = status_of(exc)
             raise
         finally:
-            metrics.inflight.dec()
             metrics.request_done(method, code, time.perf_counter() - received)
 
 
