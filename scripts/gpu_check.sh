@@ -1,33 +1,62 @@
 #!/usr/bin/env bash
-# The prepared GPU check, one device call of a few minutes: CUDA tests, parity, then the GPU benchmark.
-#   device run: carry [".whl"], command "bash scripts/gpu_check.sh"   (after scripts/fetch_gpu_wheels.sh here)
-# Writes logs and JSON under $OUT (the device tool's folder) or /tmp/attnserve-gpu.
+# The prepared GPU check: one device call of at most ~7 minutes. Imports first (fail fast, nothing
+# else runs without them), then the CUDA tests and the parity suites on CUDA, then the benchmarks.
+#   here:   scripts/fetch_gpu_wheels.sh          (the wheels the device image lacks, into .whl/)
+#   device: run carry [".whl"], timeout_s 480, command "bash scripts/gpu_check.sh"
+# Writes logs and JSON under $OUT (the device tool's folder) or /tmp/attnserve-gpu. Exit 0 only if
+# every step passed; each step has its own time limit, and together they stay under 7 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/attnserve-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+    { echo "gpu_check: installing the carried wheels failed" >&2; exit 3; }
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/client:$PWD/server${PYTHONPATH:+:$PYTHONPATH}
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
-} 2>&1 | tee "$OUT/machine.txt"
+
+# 1. imports and the device (10 s): the generated stubs need grpcio >= 1.71.2; health and
+#    reflection come only from the carried wheels.
+timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/machine.txt"
+import sys
+missing = []
+for name in ("torch", "grpc", "google.protobuf", "grpc_health.v1", "grpc_reflection.v1alpha", "prometheus_client",
+             "safetensors", "yaml", "numpy", "pytest"):
+    try:
+        __import__(name)
+    except Exception as exc:
+        missing.append(f"{name} ({exc})")
+if missing:
+    sys.exit("gpu_check: cannot import " + ", ".join(missing) + ": run scripts/fetch_gpu_wheels.sh and carry .whl")
+import grpc, torch, google.protobuf as pb
+version = tuple(int(x) for x in grpc.__version__.split(".")[:3])
+if version < (1, 71, 2):
+    sys.exit(f"gpu_check: grpcio {grpc.__version__} is older than 1.71.2, which the generated stubs need")
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device")
+print("torch", torch.__version__, "cuda", torch.version.cuda, "grpc", grpc.__version__, "protobuf", pb.__version__)
+print("device", torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+import attnserve_server.app  # the server imports end to end
+PY
+[ "${PIPESTATUS[0]}" = 0 ] || exit 3
 
 status=0
-timeout 240 python3 -m pytest tests/test_cuda.py tests/test_parity.py tests/test_batcher.py -q -p no:cacheprovider \
-  -o addopts="" 2>&1 | tee "$OUT/tests.log" || status=1
+# 2. The CUDA tests (<= 90 s), then the parity suite with every model on CUDA (<= 120 s): cross
+#    attention, the bare operation, masks, per-head and averaged weights, mixed lengths in one batch.
+timeout 90 python3 -m pytest tests/test_cuda.py tests/test_worker.py -q -p no:cacheprovider -o addopts="" \
+  2>&1 | tee "$OUT/tests-cuda.log" || status=1
+ATTNSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest tests/test_parity.py -q -p no:cacheprovider -o addopts="" \
+  2>&1 | tee "$OUT/tests-parity-cuda.log" || status=1
 
+# 3. Benchmarks (<= 2 x 75 s): W1 fp32 and WL bf16 through the server, with the in-process limit.
 bench() {
   local name=$1
   shift
-  timeout 200 python3 -m attnserve_server bench --device cuda --duration-s 4 --warmup-s 1 --inprocess-s 2 \
+  timeout 75 python3 -m attnserve_server bench --device cuda --duration-s 4 --warmup-s 1 --inprocess-s 2 \
     --json "$OUT/bench-$name.json" "$@" 2>"$OUT/bench-$name.err" | tee "$OUT/bench-$name.txt" || status=1
 }
-# W1 and WL shapes on the GPU, in bfloat16 (the dtype a GPU deployment would use) and float32 for W1.
 bench w1-fp32 --embed-dim 256 --num-heads 8 --seq-len 64 --concurrency 1,32,128
 bench wl-bf16 --embed-dim 1024 --num-heads 16 --seq-len 256 --dtype bfloat16 --concurrency 1,32,128
 exit $status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 import urllib.request
@@ -81,9 +82,13 @@ def weights_of(answer: Answer, dtype: str = "<f4") -> np.ndarray:
     return np.frombuffer(answer.weights, dtype=dtype).reshape(answer.weights_shape)
 
 
+# The device of every model the tests configure: scripts/gpu_check.sh runs the suites on "cuda".
+TEST_DEVICE = os.environ.get("ATTNSERVE_TEST_DEVICE", "cpu")
+
+
 def model(name: str = "default", **fields: Any) -> ModelSettings:
     batching = {k: fields.pop(k) for k in list(fields) if k in BatchingSettings.__dataclass_fields__}
-    fields.setdefault("device", ("cpu",))
+    fields.setdefault("device", (TEST_DEVICE,))
     return replace(ModelSettings(name=name, **fields), batching=BatchingSettings(**batching))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
@@ -188,6 +189,15 @@ def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) 
     missing = tmp_path / "none.safetensors"
     r = run_cli("serve", "--weights", str(missing), "--port", "0", "--metrics-port", "-1", "--device", "cpu")
     assert r.returncode == 2 and f"weights file {missing}: cannot read" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_a_model_configured_for_cuda_refuses_to_start_without_a_gpu() -> None:
+    # Never a silent CPU fallback that still reports SERVING (the GPU Helm values ask for cuda).
+    r = run_cli("serve", "--device", "cuda", "--port", "0", "--metrics-port", "-1")
+    assert r.returncode == 2, r.stderr
+    assert "device 'cuda': 0 CUDA device(s) visible" in r.stderr and "use 'auto' or 'cpu'" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_help_lists_every_setting_with_its_environment_variable() -> None:

@@ -20,7 +20,18 @@ def resolve_devices(names: tuple[str, ...]) -> list[torch.device]:
         else:
             index = int(name.partition(":")[2] or 0)
             if index >= count:
-                raise ConfigError(f"device {name!r}: {count} CUDA device(s) visible")
+                # Never a silent CPU fallback: a deployment that asked for a GPU must not serve without one.
+                why = (
+                    ""
+                    if cuda
+                    else (
+                        f"; torch {torch.__version__} sees no usable CUDA device (a CPU build of torch, no GPU, "
+                        "or a driver older than its CUDA runtime)"
+                    )
+                )
+                raise ConfigError(
+                    f"device {name!r}: {count} CUDA device(s) visible{why}; use 'auto' or 'cpu' to allow the CPU"
+                )
             found = [torch.device("cuda", index)]
         devices.extend(d for d in found if d not in devices)
     return devices
