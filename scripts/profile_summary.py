@@ -19,9 +19,9 @@ from collections import Counter, defaultdict
 
 # (category, pattern on one frame "function (file:line)"), checked from the leaf towards the root.
 OWN = [
-    ("metrics", r"prometheus_client|attnserve_server/metrics\.py|attnserve_server/engine/stats\.py"),
-    ("decode + validate", r"edge/wire\.py|edge/kserve\.py:\d+\)$|kserve\.py.*decode|edge/convert\.py.*request"),
-    ("encode", r"(encode|_output|fill_response|tensor_to_proto|_set_tensor)\b.*edge/"),
+    ("metrics", r"prometheus_client|attnserve_server/metrics\.py"),
+    ("encode", r"^(encode|_output|fill_response|_set_tensor|tensor_to_proto|tensor_bytes) \(.*attnserve_server/edge/"),
+    ("decode + validate", r"attnserve_server/edge/(wire|kserve|convert)\.py"),
     ("batcher", r"attnserve_server/batching\.py"),
     ("dispatch + servicer", r"edge/dispatch\.py|edge/servicer\.py|edge/kserve_servicer\.py|attnserve_server/model\.py"),
     ("worker: staging + split", r"compute/worker\.py|compute/staging\.py"),
