@@ -2,6 +2,7 @@
 # Triton's perf_analyzer, set up in its own virtual environment, driving `attnserve bench`.
 #
 #   scripts/perf_analyzer.sh --setup            install it (once) and print the binary's path
+#   scripts/perf_analyzer.sh --run [flags]      perf_analyzer itself, its CUDA runtime library found
 #   scripts/perf_analyzer.sh [bench flags]      attnserve bench --perf-analyzer <it> [bench flags]
 #
 # perf_analyzer ships in the tritonclient wheel. 2.50.0 is the newest whose binary runs on
@@ -29,5 +30,10 @@ fi
 if [ "${1:-}" = "--setup" ]; then
   echo "$PA"
   exit 0
+fi
+if [ "${1:-}" = "--run" ]; then
+  shift
+  CUDART=$(ls -d "$PA_VENV"/lib/python3*/site-packages/nvidia/cuda_runtime/lib)
+  LD_LIBRARY_PATH=$CUDART${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec "$PA" "$@"
 fi
 exec "${ATTNSERVE_VENV:-.venv}/bin/attnserve" bench --perf-analyzer "$PA" "$@"

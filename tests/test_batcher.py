@@ -125,6 +125,45 @@ def test_the_next_batch_reaches_the_runner_before_the_last_batchs_callers_wake()
     run(main())
 
 
+def test_a_batch_closes_before_its_memory_estimate_passes_the_budget() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        # A long delay: only the limits can close these batches.
+        b = Batcher([runner], limits(max_queue_delay_s=60, max_batch_memory_bytes=100))
+        b.start()
+        memory = (60, 30, 50, 100)
+        futures = [
+            asyncio.ensure_future(b.submit(i, sequences=1, length=1, group="g", memory=m)) for i, m in enumerate(memory)
+        ]
+        # 60+30 fits and +50 would not; 50 alone, as +100 would not fit. The last waits for company.
+        await until(lambda: len(runner.batches) == 2)
+        assert runner.batches == [[0, 1], [2]] and b.depth == 1
+        assert await b.drain(5) is True
+        assert runner.batches == [[0, 1], [2], [3]]
+        assert [f.result() for f in futures] == [("done", i) for i in range(4)]
+
+    run(main())
+
+
+def test_the_queue_refuses_past_its_byte_budget() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher([runner], limits(max_queue_bytes=100))
+        blocker = await occupy(b, runner)
+        queued = asyncio.ensure_future(b.submit("a", sequences=1, length=1, group="g", nbytes=80))
+        await until(lambda: b.depth == 1)
+        with pytest.raises(QueueFull, match="max_queue_bytes 100"):
+            await b.submit("b", sequences=1, length=1, group="g", nbytes=30)
+        runner.gate.set()
+        assert await queued == ("done", "a") and await blocker == ("done", "block")
+        # Its bytes left the queue with it: the same request is admitted now.
+        assert await b.submit("c", sequences=1, length=1, group="g", nbytes=30) == ("done", "c")
+        await b.close()
+
+    run(main())
+
+
 def test_a_batch_closes_at_max_batch_size_counted_in_sequences() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -207,12 +207,23 @@ def test_raw_fp32_inference_matches_the_native_api(server: Running, client: tc.I
     np.testing.assert_allclose(out, native(server, q, key_value=kv).output, rtol=0, atol=1e-6)
 
 
+def test_weights_are_averaged_by_default_on_both_apis_as_torch_does(
+    server: Running, client: tc.InferenceServerClient
+) -> None:
+    q = x(2, 6, E)
+    result = client.infer("default", [infer_input("query", q)], parameters={"need_weights": True})
+    ref = native(server, q, need_weights=True)  # the native API, no average_weights given
+    assert result.as_numpy("attention_weights").shape == (2, 1, 6, 6)
+    np.testing.assert_allclose(result.as_numpy("attention_weights")[:, 0], ref.attention_weights, atol=1e-6)
+
+
 def test_weights_masks_and_causal_match_the_native_api(server: Running, client: tc.InferenceServerClient) -> None:
     q = x(2, 6, E)
     lengths = np.array([[4], [6]], dtype=np.int64)  # [B, 1], as the config's dims [1] give
     result = client.infer(
         "default",
         [infer_input("query", q), infer_input("key_lengths", lengths)],
+        parameters={"average_weights": False},
         outputs=[tc.InferRequestedOutput("output"), tc.InferRequestedOutput("attention_weights")],
     )
     ref = native(server, q, key_lengths=lengths.reshape(2), need_weights=True, average_weights=False)

@@ -129,7 +129,7 @@ def test_health_exits_0_only_when_serving(default_server: Running) -> None:
     r = run_cli("health", "--target", default_server.target, "--service", "bare")
     assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
     r = run_cli("health", "--target", default_server.target, "--service", "nope")
-    assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+    assert r.returncode == 1 and "NOT_FOUND: the server has no health status named 'nope'" in r.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens there
@@ -164,6 +164,21 @@ def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_
     assert np.load(out).shape == (2, 5, 32)
     bad = run_cli("infer", "--target", default_server.target, "--model", "nope")
     assert bad.returncode == 1 and "NOT_FOUND: model: no model named 'nope'" in bad.stderr
+
+
+def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp_path: Path) -> None:
+    r = run_cli("infer", "--target", default_server.target, "--query", str(tmp_path / "q.npy"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"attnserve infer: {tmp_path / 'q.npy'}: No such file or directory"
+    np.save(tmp_path / "q64.npy", np.ones((4, 32)))  # numpy's default float64
+    r = run_cli("infer", "--target", default_server.target, "--query", str(tmp_path / "q64.npy"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "unsupported dtype float64" in r.stderr and "pass dtype='float32'" in r.stderr
+    # serve and bench in a client-only install (torch absent) say which extra to install.
+    serve = BLOCK_TORCH.split("import numpy")[0] + "from attnserve_server.cli import main\nsys.exit(main(['serve']))\n"
+    r = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "attnserve serve: needs the server extra (missing: torch): pip install 'attnserve[server]'" in r.stderr
 
 
 def test_bench_prints_a_table_with_the_in_process_ratio_and_the_floor(default_server: Running, tmp_path: Path) -> None:

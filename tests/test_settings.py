@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnserve_server.errors import ConfigError
-from attnserve_server.settings import OPTIONS, ServerSettings, load_settings
+from attnserve_server.settings import OPTIONS, ServerSettings, load_settings, misspelt_variables
 
 YAML = """
 port: 6000
@@ -84,11 +84,25 @@ def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> Non
         load_settings(env=env)
 
 
+def test_a_misspelt_variable_is_named_with_the_closest_real_one() -> None:
+    env = {"ATTNSERVE_METRIC_PORT": "1", "ATTNSERVE_PORT": "2", "ATTNSERVE_VENV": ".venv", "HOME": "/root"}
+    assert misspelt_variables(env) == [
+        "ATTNSERVE_METRIC_PORT is not an attnserve setting and is ignored; did you mean 'ATTNSERVE_METRICS_PORT'?"
+    ]
+
+
 def test_unknown_keys_and_duplicates_in_a_file_are_errors(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("models:\n  - name: a\n    heads: 4\n")
-    with pytest.raises(ConfigError, match=r"models\[0\]\.: unknown setting 'heads'"):
+    with pytest.raises(ConfigError) as err:
         load_settings(str(f))
+    assert str(err.value).startswith(f"config file {f}: models[0]: unknown setting 'heads'")
+    f.write_text("metric_port: 1\nmodels:\n  - name: a\n    kidn: mha\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(str(f))
+    assert str(err.value).startswith(
+        f"config file {f}: top level: unknown setting 'metric_port'; did you mean 'metrics_port'?"
+    )
     f.write_text("models:\n  - name: a\n  - name: a\n")
     with pytest.raises(ConfigError, match="duplicate model name"):
         load_settings(str(f))

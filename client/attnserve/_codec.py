@@ -58,7 +58,10 @@ def encode_tensor(array: Any, name: str, cast: str | None = None) -> pb.Tensor:
             arr = src.astype(cast)
             kind = cast
     if kind not in _WIRE_DTYPE:
-        raise ValueError(f"{name}: unsupported dtype {arr.dtype}; use one of {sorted(_WIRE_DTYPE)}")
+        hint = ""
+        if arr.dtype.kind == "f":  # float64 is numpy's default; every model takes a narrower float
+            hint = f" (pass dtype='float32', or the model's dtype, to cast it: {name}.astype(np.float32))"
+        raise ValueError(f"{name}: unsupported dtype {arr.dtype}; use one of {sorted(_WIRE_DTYPE)}{hint}")
     wire = _WIRE_DTYPE[kind]
     raw = arr.view(np.uint16) if kind == "bfloat16" else arr.astype(_RAW_NUMPY[wire], copy=False)
     return pb.Tensor(dtype=wire, shape=arr.shape, data=np.ascontiguousarray(raw).tobytes())

@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from attnserve._channel import STREAM_LOOKAHEAD_BYTES
 from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher
+from attnserve_server.edge.registration import add_service
 from attnserve_server.edge.servicer import AttentionServicer
+from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.protocol import open_inference_pb2
@@ -58,7 +59,9 @@ class AttnServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.models = {
-            m.name: ServedModel(m, self.metrics.for_model(m.name), worker_factory, settings.torch_threads)
+            m.name: ServedModel(
+                m, self.metrics.for_model(m.name), worker_factory, settings.torch_threads, settings.max_message_bytes
+            )
             for m in settings.models
         }
         self.port: int | None = None
@@ -84,22 +87,31 @@ class AttnServer:
                 ("grpc.max_receive_message_length", s.max_message_bytes),
                 # Large requests arrive without waiting on 64 KiB flow-control windows.
                 ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
+                # gRPC shares a port with any process by default: a second server on a taken port
+                # would start and silently take part of the traffic. Off, it fails to bind.
+                ("grpc.so_reuseport", 0),
             ]
         )
         dispatcher = Dispatcher(self.models, self.metrics.for_model(""))
-        pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(dispatcher), self._server)
-        kserve_servicer.add_to_server(dispatcher, self._server)
+        add_service(self._server, AttentionServicer(dispatcher), pb.DESCRIPTOR.services_by_name["AttentionService"])
+        add_service(self._server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self._server, pool=_reflection_pool())
         for name in ("", *_HEALTH_SERVICES, *self.models):
             await self._health.set(name, _NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        try:
+            self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {s.host}:{s.port}")
+            raise PortUnavailable(f"gRPC port {s.host}:{s.port}: cannot bind (in use, or not an address of this host)")
         await self._server.start()
         if s.metrics_port >= 0:
-            self._metrics_http, _ = self.metrics.serve_http(s.host, s.metrics_port)
+            try:
+                self._metrics_http, _ = self.metrics.serve_http(s.host, s.metrics_port)
+            except OSError as exc:
+                raise PortUnavailable(f"metrics port {s.host}:{s.metrics_port}: cannot bind ({exc.strerror})") from None
             self.metrics_port = self._metrics_http.server_port
         # Health answers (NOT_SERVING) while the models load and warm up.
         for served in self.models.values():

@@ -34,6 +34,8 @@ class BatchLimits:
     max_batch_tokens: int  # sequences x longest query length
     max_queue_delay_s: float
     max_queue_size: int  # requests waiting
+    max_queue_bytes: int = 1 << 62  # bytes of the requests waiting
+    max_batch_memory_bytes: int = 1 << 62  # the sum of a batch's items' memory estimates
 
 
 class BatchObserver(Protocol):
@@ -62,6 +64,8 @@ class _Entry(Generic[T]):
     item: T
     sequences: int
     length: int
+    nbytes: int
+    memory: int
     group: Hashable
     enqueued: float
     future: asyncio.Future = field(repr=False)
@@ -79,6 +83,7 @@ class Batcher(Generic[T, R]):
         self._observer = observer or _NoObserver()
         self._groups: dict[Hashable, deque[_Entry[T]]] = {}
         self._depth = 0
+        self._queued_bytes = 0
         self._closing = False
         self._arrived = asyncio.Event()
         self._idle: asyncio.Queue[Runner] = asyncio.Queue()
@@ -116,6 +121,8 @@ class Batcher(Generic[T, R]):
         group: Hashable,
         deadline: float | None = None,
         expire: bool = True,
+        nbytes: int = 0,
+        memory: int = 0,
     ) -> R:
         """Queues one item and waits for the runner's result for it. `deadline` is on the loop's clock.
 
@@ -123,17 +130,17 @@ class Batcher(Generic[T, R]):
         itself (an RPC deadline cancels the call), which spares a timer per request; the deadline then
         only tells a drop at the deadline from a cancellation.
         """
-        if self._broken is not None:
-            raise self._broken
-        if self._closing:
-            self._observer.dropped("shutting_down")
-            raise ShuttingDown("the server is shutting down and takes no new requests")
-        if self._depth >= self._limits.max_queue_size:
+        self.check_admission()
+        if self._queued_bytes + nbytes > self._limits.max_queue_bytes:
             self._observer.dropped("queue_full")
-            raise QueueFull(f"the model's queue is full ({self._limits.max_queue_size} requests waiting); retry later")
+            raise QueueFull(
+                f"the model's queue holds {self._queued_bytes} bytes of requests; this one's {nbytes} would pass "
+                f"max_queue_bytes {self._limits.max_queue_bytes}; retry later"
+            )
         loop = asyncio.get_running_loop()
-        entry = _Entry(item, sequences, length, group, loop.time(), loop.create_future())
+        entry = _Entry(item, sequences, length, nbytes, memory, group, loop.time(), loop.create_future())
         self._groups.setdefault(group, deque()).append(entry)
+        self._queued_bytes += nbytes
         self._set_depth(self._depth + 1)
         self._arrived.set()
         # The one expiry mechanism: a timer at the deadline, which works whether or not a batch
@@ -152,6 +159,24 @@ class Batcher(Generic[T, R]):
             if timer is not None:
                 timer.cancel()
 
+    def check_admission(self) -> None:
+        """Raises what `submit` would refuse an item with right now (full queue, shutdown), counting
+        the drop: the edge asks before it decodes a request, so shedding at overload costs microseconds."""
+        if self._broken is not None:
+            raise self._broken
+        if self._closing:
+            self._observer.dropped("shutting_down")
+            raise ShuttingDown("the server is shutting down and takes no new requests")
+        if self._depth >= self._limits.max_queue_size:
+            self._observer.dropped("queue_full")
+            raise QueueFull(f"the model's queue is full ({self._limits.max_queue_size} requests waiting); retry later")
+        if self._queued_bytes >= self._limits.max_queue_bytes:
+            self._observer.dropped("queue_full")
+            raise QueueFull(
+                f"the model's queue is full ({self._queued_bytes} bytes of requests waiting, max_queue_bytes "
+                f"{self._limits.max_queue_bytes}); retry later"
+            )
+
     def _set_depth(self, depth: int) -> None:
         self._depth = depth
         self._observer.queue_depth(depth)
@@ -163,6 +188,7 @@ class Batcher(Generic[T, R]):
         if not group:
             del self._groups[entry.group]
         entry.queued = False
+        self._queued_bytes -= entry.nbytes
         self._set_depth(self._depth - 1)
 
     # -- batch formation -------------------------------------------------------------------
@@ -174,13 +200,15 @@ class Batcher(Generic[T, R]):
     def _plan(self, group: Hashable) -> tuple[int, bool]:
         """How many queued entries of `group` fit one batch, and whether that batch is full."""
         limits = self._limits
-        count = sequences = longest = 0
+        count = sequences = longest = memory = 0
         for entry in self._groups.get(group, ()):
             total = sequences + entry.sequences
             tokens = total * max(longest, entry.length)
-            if count and (total > limits.max_batch_size or tokens > limits.max_batch_tokens):
+            more = memory + entry.memory
+            over = total > limits.max_batch_size or tokens > limits.max_batch_tokens
+            if count and (over or more > limits.max_batch_memory_bytes):
                 return count, True
-            count, sequences, longest = count + 1, total, max(longest, entry.length)
+            count, sequences, longest, memory = count + 1, total, max(longest, entry.length), more
             if sequences >= limits.max_batch_size or tokens >= limits.max_batch_tokens:
                 return count, True
         return count, False
@@ -220,6 +248,7 @@ class Batcher(Generic[T, R]):
                     del self._groups[head.group]
                 for entry in batch:
                     entry.queued = False
+                    self._queued_bytes -= entry.nbytes
                 return batch
 
     async def _loop(self) -> None:
@@ -276,6 +305,7 @@ class Batcher(Generic[T, R]):
                 entry.queued = False
             self._fail(list(group), error)
         self._groups.clear()
+        self._queued_bytes = 0
         self._set_depth(0)
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import re
@@ -81,7 +82,10 @@ def cmd_health(args: argparse.Namespace) -> int:
         try:
             status = client.health(args.service)
         except AttnServeError as exc:
-            print(f"{exc.code.name}: {exc.message}", file=sys.stderr)
+            detail = exc.message or (
+                f"the server has no health status named {args.service!r}" if exc.code.name == "NOT_FOUND" else ""
+            )
+            print(f"{exc.code.name}: {detail}", file=sys.stderr)
             return 1
     print(status)
     return 0 if status == "SERVING" else 1
@@ -150,13 +154,15 @@ async def _serve(settings: Any) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from attnserve_server.errors import ConfigError
-    from attnserve_server.settings import load_settings
+    from attnserve_server.settings import load_settings, misspelt_variables
 
     try:
         settings = load_settings(args.config, os.environ, vars(args))
     except ConfigError as exc:
         print(f"attnserve: configuration error: {exc}", file=sys.stderr)
         return 2
+    for warning in misspelt_variables(os.environ):
+        print(f"attnserve: warning: {warning}", file=sys.stderr)
     # libgomp's worker threads spin between parallel regions by default; in a server they
     # would spin against the gRPC and event-loop threads. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -190,9 +196,15 @@ def cmd_infer(args: argparse.Namespace) -> int:
             info = client.model(args.model)
             dtype = None if info.dtype == "float32" else info.dtype
 
+            def load(path: str) -> Any:
+                try:
+                    return np.load(path)
+                except (OSError, ValueError) as exc:  # missing, unreadable, or not a .npy file
+                    raise _Refused(f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
+
             def data(path: str | None, length: int | None, width: int) -> Any:
                 if path:
-                    return np.load(path)
+                    return load(path)
                 if length is None:
                     return None
                 return rng.standard_normal((args.batch, length, width), dtype=np.float32)
@@ -201,7 +213,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
             kv_len = args.kv_len if args.kv_len is not None else (args.seq_len if info.kind == "sdpa" else None)
             fields: dict[str, Any] = {}
             if args.key_value:
-                fields["key_value"] = np.load(args.key_value)
+                fields["key_value"] = load(args.key_value)
             elif info.kind == "sdpa" or info.kdim != info.vdim or args.key or args.value:
                 fields["key"] = data(args.key, kv_len, info.kdim)
                 fields["value"] = data(args.value, kv_len, info.vdim)
@@ -221,6 +233,9 @@ def cmd_infer(args: argparse.Namespace) -> int:
         except AttnServeError as exc:
             print(f"attnserve infer: {exc.code.name}: {exc.message}", file=sys.stderr)
             return 1
+        except (_Refused, ValueError) as exc:  # a file that cannot be read, an array the client cannot send
+            print(f"attnserve infer: {exc}", file=sys.stderr)
+            return 2
     t = result.timing
     print(f"model {result.model} ({info.kind}, E={info.embed_dim}, heads={info.num_heads}, {info.dtype})")
     print(_summary("query", np.asarray(query)))
@@ -238,8 +253,33 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Refused(Exception):
+    """A user mistake a command reports in one line (exit 2), not with a traceback."""
+
+
+def _server_extra_present(command: str) -> bool:
+    """`serve` and `bench` need the server extra; a client-only install says so in one line."""
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except ImportError:
+            return True
+
+    missing = [m for m in ("torch", "grpc_reflection", "prometheus_client") if absent(m)]
+    if missing:
+        print(
+            f"attnserve {command}: needs the server extra (missing: {', '.join(missing)}): "
+            "pip install 'attnserve[server]'",
+            file=sys.stderr,
+        )
+    return not missing
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "bench") and not _server_extra_present(args.command):
+        return 2
     if args.command == "serve":
         return cmd_serve(args)
     if args.command == "infer":

@@ -35,6 +35,8 @@ class ModelSpec:
     max_key_len: int
     max_batch_size: int
     max_batch_tokens: int
+    max_batch_memory_bytes: int = 2 << 30  # a batch's estimated compute memory (see compute_bytes)
+    max_answer_bytes: int = 256 << 20  # the largest response message the server may send
 
     @property
     def self_attention(self) -> bool:
@@ -45,6 +47,27 @@ class ModelSpec:
     def output_dim(self) -> int:
         # MHA projects back to embed_dim; the bare operation returns V's width.
         return self.embed_dim if self.kind is ModelKind.MHA else self.vdim
+
+
+# Room left in a response for everything but the tensors (names, shapes, timing, framing).
+ANSWER_OVERHEAD_BYTES = 64 << 10
+
+
+def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, weight_heads: int) -> int:
+    """The tensors of an answer: the output [B, L, E_out], and the weights [B, heads, L, S] when asked
+    for (heads: num_heads per head, 1 averaged, 0 none), in the model's dtype."""
+    elements = sequences * query_len * (spec.output_dim + weight_heads * key_len)
+    return elements * spec.dtype.itemsize
+
+
+def compute_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, need_weights: bool) -> int:
+    """What computing a request may hold in memory at once, estimated as the README's "Memory limits"
+    section explains: the projections and outputs, B·(4·L·E + 2·S·E) elements of the model's dtype,
+    plus the attention scores B·H·L·S in float32, three copies of them when the weights are asked for
+    (scores, their softmax, the weights returned)."""
+    activations = sequences * (4 * query_len * spec.embed_dim + 2 * key_len * max(spec.kdim, spec.vdim))
+    scores = sequences * spec.num_heads * query_len * key_len * 4 * (3 if need_weights else 1)
+    return activations * spec.dtype.itemsize + scores
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +104,8 @@ class AttentionRequest:
     need_weights: bool
     average_weights: bool
     unbatched: bool  # the query came as [L, E]: answers drop the batch dim
+    nbytes: int = 0  # the request's tensor bytes, as they wait in the queue
+    memory_bytes: int = 0  # compute_bytes(): what computing it may take
 
     @property
     def sequences(self) -> int:

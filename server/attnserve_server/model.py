@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
 
 
-def spec_from_settings(settings: ModelSettings) -> ModelSpec:
+def spec_from_settings(settings: ModelSettings, max_message_bytes: int = 256 << 20) -> ModelSpec:
     e = settings.embed_dim
     return ModelSpec(
         name=settings.name,
@@ -39,6 +39,8 @@ def spec_from_settings(settings: ModelSettings) -> ModelSpec:
         max_key_len=settings.max_key_len,
         max_batch_size=settings.batching.max_batch_size,
         max_batch_tokens=settings.batching.max_batch_tokens,
+        max_batch_memory_bytes=settings.batching.max_batch_memory_bytes,
+        max_answer_bytes=max_message_bytes,
     )
 
 
@@ -49,9 +51,10 @@ class ServedModel:
         metrics: ModelMetrics,
         worker_factory: WorkerFactory,
         torch_threads: int | None = None,
+        max_message_bytes: int = 256 << 20,
     ) -> None:
         self.settings = settings
-        self.spec = spec_from_settings(settings)
+        self.spec = spec_from_settings(settings, max_message_bytes)
         self.metrics = metrics
         self.devices: list[str] = []
         self.ready = False
@@ -71,7 +74,14 @@ class ServedModel:
             self._workers.append(worker)
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
-        limits = BatchLimits(b.max_batch_size, b.max_batch_tokens, b.max_queue_delay_ms / 1e3, b.max_queue_size)
+        limits = BatchLimits(
+            b.max_batch_size,
+            b.max_batch_tokens,
+            b.max_queue_delay_ms / 1e3,
+            b.max_queue_size,
+            max_queue_bytes=b.max_queue_bytes,
+            max_batch_memory_bytes=b.max_batch_memory_bytes,
+        )
         self._batcher = Batcher([self._runner(w) for w in self._workers], limits, self.metrics)
         self._batcher.start()
         self.metrics.describe(
@@ -104,6 +114,12 @@ class ServedModel:
 
         return run
 
+    def check_admission(self) -> None:
+        """Raises if a request would be refused now (not ready, queue full, shutting down)."""
+        if self._batcher is None or not self.ready:
+            raise ModelNotReady(f"model {self.spec.name!r} is not ready yet")
+        self._batcher.check_admission()
+
     async def submit(self, request: AttentionRequest, deadline: float | None = None, *, expire: bool = True) -> Answer:
         """Queues a request and returns its answer. `deadline` is on the loop's clock; `expire` arms a
         timer for it, needed only where the call does not enforce it (KServe's `timeout` parameter)."""
@@ -116,6 +132,8 @@ class ServedModel:
             group=request.batch_key,
             deadline=deadline,
             expire=expire,
+            nbytes=request.nbytes,
+            memory=request.memory_bytes,
         )
 
     async def drain(self, timeout_s: float) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import tomllib
 import types
@@ -28,6 +29,10 @@ class BatchingSettings:
     max_batch_tokens: int = 65536
     max_queue_delay_ms: float = 0.0
     max_queue_size: int = 1024
+    # Bytes of request tensors waiting in the queue, beside the count (README: "Memory limits").
+    max_queue_bytes: int = 1 << 30
+    # What one batch may take while it computes: activations and attention scores (README: "Memory limits").
+    max_batch_memory_bytes: int = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-batch-tokens", "batching", int, "padded query tokens in one batch (default 65536)"),
     Option("max-queue-delay-ms", "batching", float, "wait after a batch's first request (default 0)"),
     Option("max-queue-size", "batching", int, "queued requests before RESOURCE_EXHAUSTED (default 1024)"),
+    Option("max-queue-bytes", "batching", int, "queued tensor bytes before RESOURCE_EXHAUSTED (default 1 GiB)"),
+    Option(
+        "max-batch-memory-bytes",
+        "batching",
+        int,
+        "estimated memory one batch may use while it computes; larger requests are refused (default 2 GiB)",
+    ),
     Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
     Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
     Option(
@@ -178,14 +190,23 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _closest(name: str, known) -> str:
+    match = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
 def _build(cls: Any, data: Any, where: str) -> Any:
+    """`where` is the mapping's path with a trailing dot ("" at the top level, "models[0]." below)."""
+    at = where.rstrip(".") or "top level"
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{at}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"{at}: unknown setting {unknown[0]!r}{_closest(unknown[0], names)} (known: {', '.join(sorted(names))})"
+        )
     values = {}
     for key, raw in data.items():
         if cls is ServerSettings and key == "models":
@@ -195,6 +216,20 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         else:
             values[key] = _convert(raw, hints[key], f"{where}{key}")
     return cls(**values)
+
+
+# ATTNSERVE_* variables that are not settings: the dev script's and the tests' own.
+_NOT_SETTINGS = {"ATTNSERVE_VENV", "ATTNSERVE_TORCH", "ATTNSERVE_TEST_DEVICE", "ATTNSERVE_ARGS"}
+
+
+def misspelt_variables(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ATTNSERVE_* variable that is no setting (it would be ignored silently)."""
+    known = {opt.env for opt in OPTIONS} | {ENV_PREFIX + "CONFIG"}
+    return [
+        f"{name} is not an attnserve setting and is ignored{_closest(name, known)}"
+        for name in sorted(env)
+        if name.startswith(ENV_PREFIX) and name not in known and name not in _NOT_SETTINGS
+    ]
 
 
 def _overrides(env: Mapping[str, str], flags: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -227,7 +262,15 @@ def load_settings(
     env = {} if env is None else env
     flags = flags or {}
     path = config_path or env.get(ENV_PREFIX + "CONFIG")
-    settings = _build(ServerSettings, _read_file(Path(path)), "") if path else ServerSettings()
+    settings = ServerSettings()
+    if path:
+        try:
+            settings = _build(ServerSettings, _read_file(Path(path)), "")
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(
+                message if message.startswith("config file") else f"config file {path}: {message}"
+            ) from None
     scoped = _overrides(env, flags)
     if scoped["weights"].get("path") and "format" not in scoped["weights"]:
         scoped["weights"]["format"] = ("torch", "--weights")
@@ -292,6 +335,11 @@ def validate(settings: ServerSettings) -> None:
         _check(b.max_batch_size > 0, f"{at}.batching.max_batch_size: expected > 0, got {b.max_batch_size}")
         _check(b.max_queue_size > 0, f"{at}.batching.max_queue_size: expected > 0, got {b.max_queue_size}")
         _check(b.max_queue_delay_ms >= 0, f"{at}.batching.max_queue_delay_ms: expected >= 0")
+        _check(b.max_queue_bytes > 0, f"{at}.batching.max_queue_bytes: expected > 0, got {b.max_queue_bytes}")
+        _check(
+            b.max_batch_memory_bytes > 0,
+            f"{at}.batching.max_batch_memory_bytes: expected > 0, got {b.max_batch_memory_bytes}",
+        )
         _check(
             b.max_batch_tokens >= m.max_query_len,
             f"{at}.batching.max_batch_tokens: {b.max_batch_tokens} cannot hold one sequence of "

@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 import grpc
 
 from attnserve_server.domain import Answer, AttentionRequest
-from attnserve_server.errors import ModelNotFound, ServingError, status_of
+from attnserve_server.errors import ModelNotFound, ServingError, clip, status_of
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.model import ServedModel
 
@@ -87,7 +87,7 @@ class Dispatcher:
         return served
 
     def _not_found(self, name: str) -> ModelNotFound:
-        return ModelNotFound(f"model: no model named {name!r}; served: {', '.join(sorted(self.models))}")
+        return ModelNotFound(f"model: no model named {clip(name)}; served: {', '.join(sorted(self.models))}")
 
     @staticmethod
     def deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -118,6 +118,7 @@ class Dispatcher:
         try:
             if served is None:
                 raise self._not_found(model)
+            served.check_admission()  # before the tensors are decoded: refusing must be cheap
             request, timeout_s = decode(served)
             # The RPC deadline cancels this call by itself; only a tighter timeout carried in the
             # request needs the batcher's timer.

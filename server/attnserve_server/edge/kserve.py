@@ -17,7 +17,7 @@ import numpy as np
 from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.wire import WireTensor, build_request
-from attnserve_server.errors import InvalidArgument, ModelNotFound
+from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.settings import ModelSettings
@@ -44,7 +44,7 @@ _CONFIG_TYPE = {
 
 def check_version(spec: ModelSpec, version: str) -> None:
     if version not in ("", VERSION):
-        raise ModelNotFound(f"model_version: model {spec.name!r} has no version {version!r}; it serves {VERSION!r}")
+        raise ModelNotFound(f"model_version: model {spec.name!r} has no version {clip(version)}; it serves {VERSION!r}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _bool_param(msg: v2.ModelInferRequest, name: str) -> bool | None:
     param = msg.parameters[name]
     kind = param.WhichOneof("parameter_choice")
     if kind != "bool_param":
-        raise InvalidArgument(f"parameters[{name!r}]: expected bool_param, got {kind or 'no value'}")
+        raise InvalidArgument(f"parameters[{clip(name)}]: expected bool_param, got {kind or 'no value'}")
     return param.bool_param
 
 
@@ -83,18 +83,18 @@ def _check_parameters(msg: v2.ModelInferRequest) -> None:
     for name in msg.parameters:
         if name not in (*FLAGS, TIMEOUT, *IGNORED):
             known = ", ".join((*FLAGS, TIMEOUT, *IGNORED))
-            raise InvalidArgument(f"parameters[{name!r}]: not a parameter attnserve reads; it reads {known}")
+            raise InvalidArgument(f"parameters[{clip(name)}]: not a parameter attnserve reads; it reads {known}")
 
 
 def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[str, ...]:
     names: list[str] = []
     for i, out in enumerate(msg.outputs):
         if out.name not in (OUTPUT, WEIGHTS):
-            raise InvalidArgument(f"outputs[{i}].name: expected {OUTPUT!r} or {WEIGHTS!r}, got {out.name!r}")
+            raise InvalidArgument(f"outputs[{i}].name: expected {OUTPUT!r} or {WEIGHTS!r}, got {clip(out.name)}")
         if out.name in names:
-            raise InvalidArgument(f"outputs[{i}].name: output {out.name!r} is requested twice")
+            raise InvalidArgument(f"outputs[{i}].name: output {clip(out.name)} is requested twice")
         if out.parameters:
-            raise InvalidArgument(f"outputs[{i}].parameters: output {out.name!r} takes no parameters")
+            raise InvalidArgument(f"outputs[{i}].parameters: output {clip(out.name)} takes no parameters")
         names.append(out.name)
     return tuple(names)
 
@@ -108,15 +108,18 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
         return b""  # build_request names the datatype it expected
     field = _TYPED.get(datatype)
     if field is None:
-        raise InvalidArgument(f"{where}: {datatype} input {name!r} has no typed field; send it in raw_input_contents")
+        raise InvalidArgument(
+            f"{where}: {datatype} input {clip(name)} has no typed field; send it in raw_input_contents"
+        )
     wrong = [f for f in present if f != field]
     if wrong:
-        raise InvalidArgument(f"{where}: {datatype} input {name!r} goes in {field}, got {', '.join(wrong)}")
+        raise InvalidArgument(f"{where}: {datatype} input {clip(name)} goes in {field}, got {', '.join(wrong)}")
     values = getattr(tensor.contents, field)
     shape = list(tensor.shape)
     if all(d > 0 for d in shape) and len(values) != math.prod(shape):
         raise InvalidArgument(
-            f"{where}.{field}: expected {math.prod(shape)} elements for input {name!r} shape {shape}, got {len(values)}"
+            f"{where}.{field}: expected {math.prod(shape)} elements for input {clip(name)} "
+            f"shape {shape_text(shape)}, got {len(values)}"
         )
     return np.asarray(values, dtype=dtypes.BY_NAME[datatype].storage).tobytes()
 
@@ -132,21 +135,21 @@ def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], boo
     for i, tensor in enumerate(msg.inputs):
         name = tensor.name
         if name in tensors:
-            raise InvalidArgument(f"inputs[{i}].name: input {name!r} appears twice")
+            raise InvalidArgument(f"inputs[{i}].name: input {clip(name)} appears twice")
         if tensor.parameters:
-            raise InvalidArgument(f"inputs[{i}].parameters: input {name!r} takes no parameters")
+            raise InvalidArgument(f"inputs[{i}].parameters: input {clip(name)} takes no parameters")
         shape = tuple(tensor.shape)
         if raw:
             if tensor.HasField("contents") and tensor.contents.ListFields():
                 raise InvalidArgument(
-                    f"inputs[{i}].contents: input {name!r} has typed contents while the request uses "
+                    f"inputs[{i}].contents: input {clip(name)} has typed contents while the request uses "
                     "raw_input_contents; send every input one way"
                 )
             data: bytes = raw[i]
-            field = f"raw_input_contents[{i}] (input {name!r})"
+            field = f"raw_input_contents[{i}] (input {clip(name)})"
         else:
             data = _typed_bytes(i, tensor)
-            field = f"inputs[{i}].contents (input {name!r})"
+            field = f"inputs[{i}].contents (input {clip(name)})"
         if name == "key_lengths" and len(shape) == 2 and shape[1] == 1:
             shape = shape[:1]  # [B, 1], the shape its config dims [1] give, or [B]
         tensors[name] = WireTensor(tensor.datatype, shape, data, field)
@@ -171,14 +174,15 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
     if query is not None and len(query.shape) != 3:
         raise InvalidArgument(
             f"query.shape: expected [B, L, E], the batch of sequences first (max_batch_size "
-            f"{spec.max_batch_size}), got {list(query.shape)}"
+            f"{spec.max_batch_size}), got {shape_text(query.shape)}"
         )
     request = build_request(
         spec,
         tensors,
         causal=bool(_bool_param(msg, "causal")),
         need_weights=need_weights,
-        average_weights=bool(_bool_param(msg, "average_weights")),
+        # torch's default, and the native API's: weights are averaged over heads unless asked per head.
+        average_weights=need_weights if (average := _bool_param(msg, "average_weights")) is None else average,
     )
     return Decoded(request, outputs, typed, timeout)
 

@@ -14,11 +14,13 @@ import grpc
 from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge import kserve
 from attnserve_server.edge.dispatch import Dispatcher, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.model import ServedModel
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
-SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME = SERVICE.full_name
 EXTENSIONS = ("model_configuration", "statistics", "parameters")
 
 
@@ -106,7 +108,14 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:
         return await self._infer(request, "ModelInfer", context)
 
-    async def _infer_in_band(self, msg: v2.ModelInferRequest, context) -> v2.ModelStreamInferResponse:
+    async def _infer_in_band(self, msg: v2.ModelInferRequest | Undecodable, context) -> v2.ModelStreamInferResponse:
+        if isinstance(msg, Undecodable):
+            note_undecodable(msg, context.peer(), "ModelStreamInfer")
+            failed = v2.ModelInferResponse()
+            failed.parameters["error_code"].string_param = grpc.StatusCode.INVALID_ARGUMENT.name
+            return v2.ModelStreamInferResponse(
+                error_message=f"{msg.status_message}; no id to echo", infer_response=failed
+            )
         try:
             return v2.ModelStreamInferResponse(infer_response=await self._infer(msg, "ModelStreamInfer", context))
         except Exception as exc:
@@ -120,7 +129,3 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[v2.ModelStreamInferResponse]:
         async for response in answer_concurrently(request_iterator, lambda m: self._infer_in_band(m, context)):
             yield response
-
-
-def add_to_server(dispatcher: Dispatcher, server: grpc.aio.Server) -> None:
-    v2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dispatcher), server)

@@ -11,6 +11,7 @@ from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
 from attnserve_server.edge.dispatch import Dispatcher, Encode, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.model import ServedModel
 
 
@@ -44,7 +45,11 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
         return await self._answer(request, "Attend", self._dispatch.deadline(context))
 
-    async def _answer_in_band(self, msg: pb.AttendRequest, deadline: float | None) -> pb.AttendResponse:
+    async def _answer_in_band(self, msg: pb.AttendRequest | Undecodable, deadline: float | None, peer: str):
+        if isinstance(msg, Undecodable):
+            note_undecodable(msg, peer, "AttendStream")
+            status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=msg.status_message)
+            return pb.AttendResponse(error=status)  # no request id to echo: the message did not parse
         try:
             return await self._answer(msg, "AttendStream", deadline)
         except Exception as exc:
@@ -59,7 +64,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttendResponse]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
-        async for response in answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline)):
+        peer = context.peer()
+        answers = answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline, peer))
+        async for response in answers:
             yield response
 
     async def ListModels(

@@ -16,8 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve_server import dtypes
-from attnserve_server.domain import AttentionRequest, HostTensor, ModelKind, ModelSpec
-from attnserve_server.errors import InvalidArgument
+from attnserve_server.domain import (
+    ANSWER_OVERHEAD_BYTES,
+    AttentionRequest,
+    HostTensor,
+    ModelKind,
+    ModelSpec,
+    answer_bytes,
+    compute_bytes,
+)
+from attnserve_server.errors import InvalidArgument, clip, shape_text
 
 INPUT_NAMES = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
 _WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
@@ -36,11 +44,12 @@ class WireTensor:
 def _check(tensor: WireTensor, name: str, allowed: tuple[str, ...], ranks: tuple[int, ...], why: str) -> list[int]:
     """Checks dtype, rank, dims and byte length as integers; returns the shape. Reads no element."""
     if tensor.dtype not in allowed:
-        raise InvalidArgument(f"{name}.dtype: expected {' or '.join(allowed)}{why}, got {tensor.dtype}")
+        got = clip(tensor.dtype, 16, quote=False)
+        raise InvalidArgument(f"{name}.dtype: expected {' or '.join(allowed)}{why}, got {got}")
     shape = list(tensor.shape)
     if len(shape) not in ranks:
         expected = " or ".join(str(r) for r in ranks)
-        raise InvalidArgument(f"{name}.shape: expected {expected} dimensions, got {shape}")
+        raise InvalidArgument(f"{name}.shape: expected {expected} dimensions, got {shape_text(shape)}")
     if any(d <= 0 for d in shape):
         raise InvalidArgument(f"{name}.shape: dimensions must be positive, got {shape}")
     expected_bytes = math.prod(shape) * dtypes.BY_NAME[tensor.dtype].itemsize
@@ -131,14 +140,15 @@ def build_request(
     """Validates a request against its model and returns it as domain values; raises InvalidArgument."""
     unknown = sorted(set(tensors) - set(INPUT_NAMES))
     if unknown:
-        raise InvalidArgument(f"{unknown[0]}: not an input of model {spec.name!r}; inputs: {', '.join(INPUT_NAMES)}")
+        inputs = ", ".join(INPUT_NAMES)
+        raise InvalidArgument(f"{clip(unknown[0], quote=False)}: not an input of model {spec.name!r}; inputs: {inputs}")
     if "query" not in tensors:
         raise InvalidArgument("query: required ([L, E] or [B, L, E])")
     if average_weights and not need_weights:
         raise InvalidArgument("average_weights: only meaningful with need_weights=true")
     rank = len(tensors["query"].shape)
     if rank not in (2, 3):
-        raise InvalidArgument(f"query.shape: expected [L, E] or [B, L, E], got {list(tensors['query'].shape)}")
+        raise InvalidArgument(f"query.shape: expected [L, E] or [B, L, E], got {shape_text(tensors['query'].shape)}")
     query = _sequence(tensors, "query", spec, rank, spec.embed_dim)
     batch, length = query.shape[0], query.shape[1]
     if length > spec.max_query_len:
@@ -190,6 +200,10 @@ def build_request(
                 f"key_padding_mask: with causal=true key 0 must stay visible (query 0 sees only key 0); "
                 f"sequence {seq} masks it"
             )
+    memory = _check_memory(spec, batch, length, keys, need_weights, average_weights)
+    nbytes = len(query.data) + (0 if padding is None else padding.size)
+    if key is not None:
+        nbytes += len(key.data) + (0 if value is key or value is None else len(value.data))
     return AttentionRequest(
         query=query,
         key=key,
@@ -199,4 +213,32 @@ def build_request(
         need_weights=need_weights,
         average_weights=average_weights,
         unbatched=rank == 2,
+        nbytes=nbytes,
+        memory_bytes=memory,
     )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _check_memory(spec: ModelSpec, batch: int, length: int, keys: int, need_weights: bool, average: bool) -> int:
+    """Refuses, before any compute, a request whose answer cannot be sent or whose computation would
+    not fit the model's batch memory budget; returns its compute memory estimate."""
+    heads = 0 if not need_weights else 1 if average else spec.num_heads
+    answer = answer_bytes(spec, batch, length, keys, heads)
+    if answer + ANSWER_OVERHEAD_BYTES > spec.max_answer_bytes:
+        weights = answer - answer_bytes(spec, batch, length, keys, 0)
+        hint = "; ask for averaged weights, or send fewer or shorter sequences" if heads else ""
+        raise InvalidArgument(
+            f"query.shape: the answer would be {_mib(answer)} (weights {_mib(weights)}), over the server's "
+            f"max_message_bytes {_mib(spec.max_answer_bytes)}{hint}"
+        )
+    memory = compute_bytes(spec, batch, length, keys, need_weights)
+    if memory > spec.max_batch_memory_bytes:
+        raise InvalidArgument(
+            f"query.shape: computing {batch} x {length} queries against {keys} keys"
+            f"{' with weights' if need_weights else ''} takes about {_mib(memory)}, over model {spec.name!r} "
+            f"max_batch_memory_bytes {_mib(spec.max_batch_memory_bytes)}"
+        )
+    return memory

@@ -1,0 +1,96 @@
+"""Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call.
+
+gRPC's generated registration parses each request before the handler runs, and a DecodeError there
+answers UNKNOWN with a traceback and ends a stream. Here a request that does not parse arrives as an
+`Undecodable` instead: a unary call answers INVALID_ARGUMENT in one line, and a stream's handler
+answers that message in band and goes on (see `in_band_error`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+
+log = logging.getLogger(__name__)
+_LOG_EVERY_S = 60.0
+_last_logged: dict[str, float] = {}  # peer host -> when an undecodable request from it was last logged
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """Bytes that did not parse as the method's request message."""
+
+    message_type: str
+    error: str
+
+    @property
+    def status_message(self) -> str:
+        return f"request: not a valid {self.message_type} message ({self.error})"
+
+
+def note_undecodable(request: Undecodable, peer: str, method: str) -> None:
+    """Logs an undecodable request at most once a minute per peer host (a client sending garbage
+    in a loop must not flood the log)."""
+    host = peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+    now = time.monotonic()
+    if now - _last_logged.get(host, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+        if len(_last_logged) > 10_000:
+            _last_logged.clear()
+        _last_logged[host] = now
+        log.warning("%s from %s: %s (logged once a minute per peer)", method, host, request.status_message)
+
+
+def _parser(cls):
+    name = cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(name, str(exc).splitlines()[0][:200] if str(exc) else "cannot parse")
+
+    return parse
+
+
+def _refusing_undecodable(handler, method: str):
+    async def unary(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, Undecodable):
+            note_undecodable(request, context.peer(), method)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
+        return await handler(request, context)
+
+    return unary
+
+
+_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
+    """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED)."""
+    handlers = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name, None)
+        if behaviour is None:
+            continue
+        if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
+            behaviour = _refusing_undecodable(behaviour, method.name)
+        handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
+            behaviour,
+            request_deserializer=_parser(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: no per-call lookup by name
+        server.add_registered_method_handlers(service.full_name, handlers)

@@ -1,0 +1,223 @@
+"""What a hostile or broken client can send, through the real server: bytes that are not a message,
+strings without bound, overload. Each answer is a precise status; the server keeps serving."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from attnserve import AttnServeError, Client
+from attnserve.v1 import attention_pb2 as pb
+from attnserve_server.protocol import open_inference_pb2 as v2
+
+from conftest import Running, model, running, settings
+
+ATTEND = "/attnserve.v1.AttentionService/Attend"
+ATTEND_STREAM = "/attnserve.v1.AttentionService/AttendStream"
+GET_MODEL = "/attnserve.v1.AttentionService/GetModel"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+NOT_A_MESSAGE = b"\xff\xff\xff\xff\xff"
+# AttendRequest.model (field 1, a string) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xff\xfe"
+
+
+def attend_bytes(e: int = 32, request_id: str = "") -> bytes:
+    q = np.random.default_rng(0).standard_normal((4, e)).astype("<f4")
+    msg = pb.AttendRequest(request_id=request_id)
+    msg.query.dtype, msg.query.data = pb.DATA_TYPE_FP32, q.tobytes()
+    msg.query.shape[:] = q.shape
+    return msg.SerializeToString()
+
+
+def raw_unary(target: str, method: str, body: bytes) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        try:
+            call(body, timeout=10)
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+        return grpc.StatusCode.OK, ""
+
+
+def still_serving(target: str) -> None:
+    with Client(target, timeout_s=10) as c:
+        assert c.attend(np.ones((2, 32), np.float32)).output.shape == (2, 32)
+
+
+@pytest.mark.parametrize("method", [ATTEND, GET_MODEL, MODEL_INFER])
+@pytest.mark.parametrize("body", [NOT_A_MESSAGE, BAD_UTF8], ids=["not-protobuf", "bad-utf8"])
+def test_bytes_that_are_not_a_message_are_invalid_argument_in_one_line(
+    default_server: Running, method: str, body: bytes
+) -> None:
+    code, details = raw_unary(default_server.target, method, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith("request: not a valid ") and "\n" not in details and len(details) < 400
+    still_serving(default_server.target)
+
+
+def _stream(target: str, method: str, bodies: list[bytes]) -> list[bytes]:
+    with grpc.insecure_channel(target) as channel:
+        call = channel.stream_stream(method, request_serializer=None, response_deserializer=None)
+        return list(call(iter(bodies), timeout=30))
+
+
+def test_a_native_stream_answers_an_undecodable_message_in_band_and_goes_on(default_server: Running) -> None:
+    answers = [
+        pb.AttendResponse.FromString(b)
+        for b in _stream(
+            default_server.target,
+            ATTEND_STREAM,
+            [attend_bytes(request_id="a"), NOT_A_MESSAGE, attend_bytes(request_id="c")],
+        )
+    ]
+    assert len(answers) == 3
+    good = sorted(a.request_id for a in answers if not a.HasField("error"))
+    bad = [a for a in answers if a.HasField("error")]
+    assert good == ["a", "c"] and len(bad) == 1
+    assert bad[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and bad[0].request_id == ""
+    assert bad[0].error.message.startswith("request: not a valid attnserve.v1.AttendRequest")
+
+
+def test_a_kserve_stream_answers_an_undecodable_message_in_band_and_goes_on(default_server: Running) -> None:
+    def infer(request_id: str) -> bytes:
+        q = np.ones((1, 4, 32), "<f4")
+        msg = v2.ModelInferRequest(model_name="default", id=request_id)
+        msg.inputs.add(name="query", datatype="FP32", shape=q.shape)
+        msg.raw_input_contents.append(q.tobytes())
+        return msg.SerializeToString()
+
+    answers = [
+        v2.ModelStreamInferResponse.FromString(b)
+        for b in _stream(default_server.target, MODEL_STREAM_INFER, [infer("a"), NOT_A_MESSAGE, infer("c")])
+    ]
+    assert len(answers) == 3
+    assert sorted(a.infer_response.id for a in answers if not a.error_message) == ["a", "c"]
+    (bad,) = [a for a in answers if a.error_message]
+    assert bad.error_message.startswith("request: not a valid inference.ModelInferRequest")
+    assert "no id to echo" in bad.error_message
+    assert bad.infer_response.parameters["error_code"].string_param == "INVALID_ARGUMENT"
+
+
+def test_client_strings_in_errors_are_cut_short(default_server: Running) -> None:
+    long = "q" * 20000
+    with Client(default_server.target, timeout_s=10) as c:
+        with pytest.raises(AttnServeError) as err:
+            c.attend(np.ones((2, 32), np.float32), model=long)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert len(err.value.message) < 300 and "(20000 characters)" in err.value.message
+        with pytest.raises(AttnServeError) as err:
+            c.model(long)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and len(err.value.message) < 300
+    # KServe: a model name, an input name and a parameter name, each 20,000 characters.
+    q = np.ones((1, 4, 32), "<f4").tobytes()
+    cases = []
+    msg = v2.ModelInferRequest(model_name=long)
+    cases.append((msg, grpc.StatusCode.NOT_FOUND))
+    msg = v2.ModelInferRequest(model_name="default")
+    msg.inputs.add(name=long, datatype="FP32", shape=[1, 4, 32])
+    msg.raw_input_contents.append(q)
+    cases.append((msg, grpc.StatusCode.INVALID_ARGUMENT))
+    msg = v2.ModelInferRequest(model_name="default")
+    msg.inputs.add(name="query", datatype="FP32", shape=[1, 4, 32])
+    msg.raw_input_contents.append(q)
+    msg.parameters[long].bool_param = True
+    cases.append((msg, grpc.StatusCode.INVALID_ARGUMENT))
+    msg = v2.ModelInferRequest(model_name="default")
+    msg.inputs.add(name="query", datatype=long, shape=[1, 4, 32])
+    msg.raw_input_contents.append(q)
+    cases.append((msg, grpc.StatusCode.INVALID_ARGUMENT))
+    for msg, want in cases:
+        code, details = raw_unary(default_server.target, MODEL_INFER, msg.SerializeToString())
+        assert code == want and len(details) < 400, (code, details[:200])
+    still_serving(default_server.target)
+
+
+def test_a_full_queue_refuses_before_decoding_the_request() -> None:
+    # The request is malformed too (wrong byte length): at overload it is refused for the queue,
+    # which is checked first, so shedding never pays for decoding.
+    held = settings(model(embed_dim=32, num_heads=4, max_queue_delay_ms=60_000, max_queue_size=1))
+    with (
+        running(held) as handle,
+        Client(handle.target, timeout_s=60) as c,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        accepted = pool.submit(c.attend, np.ones((3, 32), np.float32))
+        handle.wait_for(lambda: handle.sample("attnserve_queue_depth", model="default") == 1)
+        bad = pb.AttendRequest()
+        bad.query.dtype, bad.query.data = pb.DATA_TYPE_FP32, b"\0" * 7
+        bad.query.shape[:] = [4, 32]
+        code, details = raw_unary(handle.target, ATTEND, bad.SerializeToString())
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        handle.call(handle.server.stop(10))
+        assert accepted.result(timeout=30).output.shape == (3, 32)
+
+
+def test_an_answer_that_cannot_fit_the_message_limit_is_refused_before_compute() -> None:
+    # 1 MiB messages: per-head weights of a [1, 300, 32] query (4 x 300 x 300 float32 = 1.4 MB)
+    # cannot be sent; averaged weights (0.36 MB) can.
+    with running(settings(model(embed_dim=32, num_heads=4), max_message_bytes=1 << 20)) as handle:
+        q = np.ones((300, 32), np.float32)
+        with Client(handle.target, timeout_s=30) as c:
+            with pytest.raises(AttnServeError) as err:
+                c.attend(q, need_weights=True, average_weights=False)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "the answer would be 1.4 MiB (weights 1.4 MiB), over the server's max_message_bytes 1.0 MiB" in (
+                err.value.message
+            )
+            assert c.attend(q, need_weights=True).attention_weights.shape == (300, 300)
+        assert handle.sample("attnserve_tokens_total", model="default") == 300  # only the averaged one ran
+
+
+def test_a_request_over_the_batch_memory_budget_is_refused_and_the_arithmetic_is_named() -> None:
+    budget = 4 << 20
+    served = settings(model(embed_dim=32, num_heads=4, max_batch_memory_bytes=budget))
+    with running(served) as handle, Client(handle.target, timeout_s=30) as c:
+        # Scores 4 heads x 600 x 600 x 4 bytes, three copies with weights: 17.3 MB, over 4 MiB.
+        with pytest.raises(AttnServeError) as err:
+            c.attend(np.ones((600, 32), np.float32), need_weights=True)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_batch_memory_bytes 4.0 MiB" in err.value.message and "with weights" in err.value.message
+        # 300 queries without weights: one copy of 1.4 MB, within the budget.
+        assert c.attend(np.ones((300, 32), np.float32)).output.shape == (300, 32)
+
+
+def _serve_on(flags: dict[str, str]) -> subprocess.CompletedProcess:
+    args = [a for flag, value in flags.items() for a in (flag, value)]
+    return subprocess.run(
+        [sys.executable, "-m", "attnserve_server", "serve", "--host", "127.0.0.1", "--device", "cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _one_line_naming(r: subprocess.CompletedProcess, port: int) -> None:
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("attnserve:")]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "cannot bind" in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_second_server_on_a_taken_grpc_port_refuses_to_start(default_server: Running) -> None:
+    # gRPC's default SO_REUSEPORT would let it start and take part of the first server's traffic.
+    _one_line_naming(
+        _serve_on({"--port": str(default_server.server.port), "--metrics-port": "-1"}), default_server.server.port
+    )
+    still_serving(default_server.target)
+
+
+@pytest.mark.slow
+def test_a_taken_metrics_port_fails_at_start_up_in_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line_naming(_serve_on({"--port": "0", "--metrics-port": str(port)}), port)
