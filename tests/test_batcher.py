@@ -64,8 +64,10 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
-def submit(b: Batcher, item: object, sequences: int = 1, length: int = 1, group: object = "g", deadline=None):
-    return asyncio.ensure_future(b.submit(item, sequences=sequences, length=length, group=group, deadline=deadline))
+def submit(b: Batcher, item: object, sequences: int = 1, length: int = 1, group: object = "g", deadline=None, **kw):
+    return asyncio.ensure_future(
+        b.submit(item, sequences=sequences, length=length, group=group, deadline=deadline, **kw)
+    )
 
 
 async def occupy(b: Batcher, runner: FakeRunner) -> asyncio.Future:
@@ -133,9 +135,7 @@ def test_a_batch_closes_before_its_memory_estimate_passes_the_budget() -> None:
         b = Batcher([runner], limits(max_queue_delay_s=60, max_batch_memory_bytes=100))
         b.start()
         memory = (60, 30, 50, 100)
-        futures = [
-            asyncio.ensure_future(b.submit(i, sequences=1, length=1, group="g", memory=m)) for i, m in enumerate(memory)
-        ]
+        futures = [submit(b, i, memory=m) for i, m in enumerate(memory)]
         # 60+30 fits and +50 would not; 50 alone, as +100 would not fit. The last waits for company.
         await until(lambda: len(runner.batches) == 2)
         assert runner.batches == [[0, 1], [2]] and b.depth == 1
@@ -151,7 +151,7 @@ def test_the_queue_refuses_past_its_byte_budget() -> None:
         runner = FakeRunner()
         b = Batcher([runner], limits(max_queue_bytes=100))
         blocker = await occupy(b, runner)
-        queued = asyncio.ensure_future(b.submit("a", sequences=1, length=1, group="g", nbytes=80))
+        queued = submit(b, "a", nbytes=80)
         await until(lambda: b.depth == 1)
         with pytest.raises(QueueFull, match="max_queue_bytes 100"):
             await b.submit("b", sequences=1, length=1, group="g", nbytes=30)
