@@ -9,7 +9,14 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options, resolve_target
+from attnserve._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    CallDefaults,
+    channel_credentials,
+    channel_options,
+    resolve_target,
+)
 from attnserve._codec import decode_model, decode_response, encode_request
 from attnserve._errors import translate_errors
 from attnserve._sync import _stream_ids
@@ -30,8 +37,14 @@ class AsyncClient:
         retries: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        token: str | None = None,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
+        credentials = channel_credentials(tls, ca, cert, key, credentials)
         target = resolve_target(target)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options)
@@ -40,7 +53,7 @@ class AsyncClient:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._call_args = CallDefaults(timeout_s, wait_for_ready)
+        self._call_args = CallDefaults(timeout_s, wait_for_ready, token)
 
     async def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any

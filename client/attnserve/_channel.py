@@ -7,6 +7,8 @@ import json
 import socket
 from collections.abc import Sequence
 
+import grpc
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 # Matches the server's default, so real tensors (and attention matrices) fit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -88,12 +90,39 @@ def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, ob
     return options
 
 
-class CallDefaults:
-    """The per-call arguments both clients add: the default deadline and wait_for_ready."""
+def channel_credentials(
+    tls: bool, ca: str | None, cert: str | None, key: str | None, credentials: grpc.ChannelCredentials | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files: `ca` to trust (default: the system's roots), and `cert` with
+    `key` to present a client certificate (mTLS). Any of them implies TLS; None means plaintext."""
+    if credentials is not None:
+        return credentials
+    if not (tls or ca or cert or key):
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("cert, key: a client certificate needs both")
 
-    def __init__(self, timeout_s: float | None, wait_for_ready: bool) -> None:
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+class CallDefaults:
+    """The per-call arguments both clients add: the default deadline, wait_for_ready, and the bearer
+    token (sent as `authorization` metadata, as tritonclient's headers are)."""
+
+    def __init__(self, timeout_s: float | None, wait_for_ready: bool, token: str | None = None) -> None:
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def __call__(self, timeout_s: float | None) -> dict[str, object]:
-        return {"timeout": self.timeout_s if timeout_s is None else timeout_s, "wait_for_ready": self.wait_for_ready}
+        return {
+            "timeout": self.timeout_s if timeout_s is None else timeout_s,
+            "wait_for_ready": self.wait_for_ready,
+            "metadata": self._metadata,
+        }

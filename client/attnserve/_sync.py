@@ -8,7 +8,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, CallDefaults, channel_options, resolve_target
+from attnserve._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    CallDefaults,
+    channel_credentials,
+    channel_options,
+    resolve_target,
+)
 from attnserve._codec import as_request, decode_model, decode_response, encode_request
 from attnserve._errors import translate_errors
 from attnserve._types import AttendResult, ModelInfo, Request
@@ -34,6 +41,9 @@ class Client:
     deadline); `wait_for_ready` makes calls wait for the server instead of failing fast while it
     is unreachable;
     `retries` lets gRPC retry UNAVAILABLE with backoff (a service config, not a loop here).
+    TLS: `tls=True` (the system's roots), `ca` (a PEM file to trust instead), `cert` and `key` (a
+    client certificate, for mTLS), or any `grpc.ChannelCredentials` as `credentials`. `token` is
+    sent as `authorization: Bearer <token>` with every call.
     """
 
     def __init__(
@@ -45,8 +55,14 @@ class Client:
         retries: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        token: str | None = None,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
+        credentials = channel_credentials(tls, ca, cert, key, credentials)
         target = resolve_target(target)
         self._channel = (
             grpc.secure_channel(target, credentials, options)
@@ -55,7 +71,7 @@ class Client:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._call_args = CallDefaults(timeout_s, wait_for_ready)
+        self._call_args = CallDefaults(timeout_s, wait_for_ready, token)
 
     def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any

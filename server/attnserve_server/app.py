@@ -23,6 +23,7 @@ from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.protocol import open_inference_pb2
+from attnserve_server.security import ReloadingTLS, token_auth
 from attnserve_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,13 @@ class AttnServer:
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self._stopped = False
+        self._tls: ReloadingTLS | None = None
+
+    def reload_tls(self) -> None:
+        """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
+        if self._tls is not None:
+            self._tls.reload()
+            log.info("TLS certificate files will be read again at the next handshake")
 
     async def start(self) -> None:
         try:
@@ -93,15 +101,24 @@ class AttnServer:
             ]
         )
         dispatcher = Dispatcher(self.models, self.metrics.for_model(""))
-        add_service(self._server, AttentionServicer(dispatcher), pb.DESCRIPTOR.services_by_name["AttentionService"])
-        add_service(self._server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE)
+        # Tokens guard both APIs; health and reflection are registered apart and stay open, so
+        # orchestrators' probes and grpcurl's listing work without one (README: Security).
+        auth = token_auth(s.auth_tokens_file, s.auth_tokens)
+        native = pb.DESCRIPTOR.services_by_name["AttentionService"]
+        add_service(self._server, AttentionServicer(dispatcher), native, auth)
+        add_service(self._server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, self._server, pool=_reflection_pool())
         for name in ("", *_HEALTH_SERVICES, *self.models):
             await self._health.set(name, _NOT_SERVING)
+        address = f"{s.host}:{s.port}"
         try:
-            self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+            if s.tls_cert is not None and s.tls_key is not None:
+                self._tls = ReloadingTLS(s.tls_cert, s.tls_key, s.tls_client_ca)
+                self.port = self._server.add_secure_port(address, self._tls.credentials)
+            else:
+                self.port = self._server.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
         if self.port == 0:

@@ -33,6 +33,34 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{opt.flag}", dest=opt.dest, type=kind, default=None, help=f"{opt.help} [{opt.env}]")
 
 
+def _add_connection(p: argparse.ArgumentParser) -> None:
+    """TLS and token flags, the same for every client command."""
+    g = p.add_argument_group("TLS and tokens (README: Security)")
+    g.add_argument("--tls", action="store_true", help="TLS, trusting the system's roots (implied by the other --tls-*)")
+    g.add_argument("--tls-ca", help="PEM file of the CA to trust instead of the system's roots")
+    g.add_argument("--tls-cert", help="PEM client certificate, for mTLS (with --tls-key)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--token-file", help="file holding the bearer token (default: $ATTNSERVE_TOKEN; none: no token sent)"
+    )
+
+
+def _connection(args: argparse.Namespace) -> dict[str, Any]:
+    """Client keyword arguments from the connection flags; raises _Refused for an unreadable file."""
+    token = os.environ.get("ATTNSERVE_TOKEN")
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise _Refused(f"--token-file {args.token_file}: {exc.strerror}") from None
+    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    for name, path in files.items():
+        if path and not os.path.isfile(path):
+            raise _Refused(f"--tls-{name} {path}: no such file")
+    return {"tls": args.tls, **files, "token": token}
+
+
 def _add_infer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "infer",
@@ -56,6 +84,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
     p.add_argument("--output", help="save Y to this .npy file")
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline (default 30)")
+    _add_connection(p)
 
 
 def _add_health(sub: argparse._SubParsersAction) -> None:
@@ -73,12 +102,18 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--service", default="", help="'' for the server (default), a service or a model name")
     p.add_argument("--timeout-s", type=float, default=3.0, help="deadline (default 3)")
+    _add_connection(p)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     from attnserve import AttnServeError, Client
 
-    with Client(args.target, timeout_s=args.timeout_s, retries=False) as client:
+    try:
+        connection = _connection(args)
+    except _Refused as exc:
+        print(f"attnserve health: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.target, timeout_s=args.timeout_s, retries=False, **connection) as client:
         try:
             status = client.health(args.service)
         except AttnServeError as exc:
@@ -139,6 +174,7 @@ async def _serve(settings: Any) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
     metrics = f"{settings.host}:{server.metrics_port}" if server.metrics_port is not None else "off"
     # One line on stdout for scripts (and tests) that start the server: its real ports.
@@ -191,7 +227,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
     from attnserve import AttnServeError, Client
 
     rng = np.random.default_rng(args.seed)
-    with Client(args.target, timeout_s=args.timeout_s) as client:
+    try:
+        connection = _connection(args)
+    except _Refused as exc:
+        print(f"attnserve infer: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.target, timeout_s=args.timeout_s, **connection) as client:
         try:
             info = client.model(args.model)
             dtype = None if info.dtype == "float32" else info.dtype

@@ -39,6 +39,14 @@ class ModelNotReady(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(ServingError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServingError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class BatchFailed(ServingError):
     """The worker raised while running the batch this request was in."""
 

@@ -73,6 +73,13 @@ class ServerSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
     log_level: str = "INFO"
+    # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # Bearer tokens (README: Security): hashes in a file and/or inline; none set means no token needed.
+    auth_tokens_file: str | None = None
+    auth_tokens: str | None = None
     models: tuple[ModelSettings, ...] = (ModelSettings(),)
 
 
@@ -102,6 +109,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),
+    Option("tls-key", "server", str, "PEM private key of --tls-cert"),
+    Option("tls-client-ca", "server", str, "PEM CA that client certificates must chain to: mTLS (default: none)"),
+    Option("auth-tokens-file", "server", str, "file of token hashes and their models: bearer tokens required"),
+    Option("auth-tokens", "server", str, "token hashes and their models inline, ';' between entries"),
     Option("model-name", "model", str, "name of the model (default 'default')"),
     Option("kind", "model", str, "mha (learned projections) or sdpa (bare attention) (default mha)"),
     Option("embed-dim", "model", int, "embedding width E (default 256)"),
@@ -219,7 +231,7 @@ def _build(cls: Any, data: Any, where: str) -> Any:
 
 
 # ATTNSERVE_* variables that are not settings: the dev script's and the tests' own.
-_NOT_SETTINGS = {"ATTNSERVE_VENV", "ATTNSERVE_TORCH", "ATTNSERVE_TEST_DEVICE", "ATTNSERVE_ARGS"}
+_NOT_SETTINGS = {"ATTNSERVE_VENV", "ATTNSERVE_TORCH", "ATTNSERVE_TEST_DEVICE", "ATTNSERVE_ARGS", "ATTNSERVE_TOKEN"}
 
 
 def misspelt_variables(env: Mapping[str, str]) -> list[str]:
@@ -294,6 +306,11 @@ def _check(condition: bool, message: str) -> None:
 
 def validate(settings: ServerSettings) -> None:
     _check(0 <= settings.port <= 65535, f"port: expected 0..65535, got {settings.port}")
+    _check(
+        (settings.tls_cert is None) == (settings.tls_key is None),
+        "tls_cert, tls_key: give both (TLS) or neither (plaintext)",
+    )
+    _check(settings.tls_client_ca is None or settings.tls_cert is not None, "tls_client_ca: needs tls_cert and tls_key")
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")

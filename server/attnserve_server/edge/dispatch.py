@@ -21,6 +21,7 @@ from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.errors import ModelNotFound, ServingError, clip, status_of
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.model import ServedModel
+from attnserve_server.security import check_model_allowed
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -84,6 +85,7 @@ class Dispatcher:
         served = self.models.get(name or self.default)
         if served is None:
             raise self._not_found(name)
+        check_model_allowed(served.spec.name)
         return served
 
     def _not_found(self, name: str) -> ModelNotFound:
@@ -118,6 +120,7 @@ class Dispatcher:
         try:
             if served is None:
                 raise self._not_found(model)
+            check_model_allowed(served.spec.name)
             served.check_admission()  # before the tensors are decoded: refusing must be cheap
             request, timeout_s = decode(served)
             # The RPC deadline cancels this call by itself; only a tighter timeout carried in the

@@ -18,6 +18,9 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from attnserve_server.errors import Unauthenticated
+from attnserve_server.security import TokenAuth, allowed_models
+
 log = logging.getLogger(__name__)
 _LOG_EVERY_S = 60.0
 _last_logged: dict[str, float] = {}  # peer host -> when an undecodable request from it was last logged
@@ -59,14 +62,35 @@ def _parser(cls):
     return parse
 
 
-def _refusing_undecodable(handler, method: str):
+async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) -> None:
+    """Checks the call's bearer token before anything of the request is looked at, and lets the
+    handler know which models it may use (security.allowed_models)."""
+    if auth is None:
+        return
+    try:
+        allowed_models.set(auth.authenticate(context.invocation_metadata()))
+    except Unauthenticated as exc:
+        await context.abort(exc.code, exc.message)
+
+
+def _unary(handler, method: str, auth: TokenAuth | None):
     async def unary(request, context: grpc.aio.ServicerContext):
+        await _authorise(auth, context)
         if isinstance(request, Undecodable):
             note_undecodable(request, context.peer(), method)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
         return await handler(request, context)
 
     return unary
+
+
+def _streaming(handler, auth: TokenAuth | None):
+    async def streaming(request_iterator, context: grpc.aio.ServicerContext):
+        await _authorise(auth, context)
+        async for response in handler(request_iterator, context):
+            yield response
+
+    return streaming
 
 
 _KINDS = {
@@ -77,15 +101,20 @@ _KINDS = {
 }
 
 
-def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
-    """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED)."""
+def add_service(
+    server: grpc.aio.Server, servicer: object, service: ServiceDescriptor, auth: TokenAuth | None = None
+) -> None:
+    """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED);
+    with `auth`, every call needs a known bearer token."""
     handlers = {}
     for method in service.methods:
         behaviour = getattr(servicer, method.name, None)
         if behaviour is None:
             continue
         if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
-            behaviour = _refusing_undecodable(behaviour, method.name)
+            behaviour = _unary(behaviour, method.name, auth)
+        elif method.client_streaming and method.server_streaming and inspect.isasyncgenfunction(behaviour):
+            behaviour = _streaming(behaviour, auth)
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=_parser(GetMessageClass(method.input_type)),

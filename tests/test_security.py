@@ -1,0 +1,160 @@
+"""TLS, mTLS and bearer tokens through the real server, the real client, tritonclient and the CLI.
+Certificates are made at test time (trustme); nothing leaves loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import trustme
+
+from attnserve import AttnServeError, Client
+from attnserve_server.security import token_hash
+
+from conftest import model, running, settings
+
+Q = np.ones((3, 32), np.float32)
+
+
+class Pki:
+    """A CA, a server certificate for 127.0.0.1, and a client certificate, as PEM files."""
+
+    def __init__(self, tmp: Path, ca: trustme.CA | None = None) -> None:
+        self.ca = ca or trustme.CA()
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.ca_pem = tmp / "ca.pem"
+        self.ca.cert_pem.write_to_path(str(self.ca_pem))
+        server = self.ca.issue_cert("127.0.0.1", "localhost")
+        self.server_cert, self.server_key = tmp / "server.pem", tmp / "server.key"
+        server.cert_chain_pems[0].write_to_path(str(self.server_cert))
+        server.private_key_pem.write_to_path(str(self.server_key))
+        client = self.ca.issue_cert("client.example")
+        self.client_cert, self.client_key = tmp / "client.pem", tmp / "client.key"
+        client.cert_chain_pems[0].write_to_path(str(self.client_cert))
+        client.private_key_pem.write_to_path(str(self.client_key))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+def tls_settings(pki: Pki, client_ca: bool = False, **fields):
+    return settings(
+        model(embed_dim=32, num_heads=4),
+        model("other", embed_dim=32, num_heads=4),
+        tls_cert=str(pki.server_cert),
+        tls_key=str(pki.server_key),
+        tls_client_ca=str(pki.ca_pem) if client_ca else None,
+        **fields,
+    )
+
+
+def test_tls_works_and_plaintext_is_refused(pki: Pki, tmp_path: Path) -> None:
+    with running(tls_settings(pki)) as handle:
+        with Client(handle.target, ca=str(pki.ca_pem), timeout_s=10) as c:
+            assert c.attend(Q).output.shape == (3, 32)
+            assert c.health() == "SERVING"
+        with Client(handle.target, timeout_s=3, retries=False) as plain, pytest.raises(AttnServeError) as err:
+            plain.attend(Q)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        # A client trusting another CA refuses the server's certificate.
+        other = Pki(tmp_path / "other")
+        with (
+            Client(handle.target, ca=str(other.ca_pem), timeout_s=3, retries=False) as c,
+            pytest.raises(AttnServeError) as err,
+        ):
+            c.attend(Q)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_requires_a_client_certificate_from_the_ca(pki: Pki, tmp_path: Path) -> None:
+    with running(tls_settings(pki, client_ca=True)) as handle:
+        mine = {"ca": str(pki.ca_pem), "cert": str(pki.client_cert), "key": str(pki.client_key)}
+        with Client(handle.target, timeout_s=10, **mine) as c:
+            assert c.attend(Q).output.shape == (3, 32)
+        with (
+            Client(handle.target, ca=str(pki.ca_pem), timeout_s=3, retries=False) as c,
+            pytest.raises(AttnServeError) as err,
+        ):
+            c.attend(Q)  # no client certificate
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        stranger = Pki(tmp_path / "stranger")  # a client certificate from a CA the server does not trust
+        with Client(
+            handle.target, ca=str(pki.ca_pem), cert=str(stranger.client_cert), key=str(stranger.client_key),
+            timeout_s=3, retries=False,
+        ) as c, pytest.raises(AttnServeError) as err:  # fmt: skip
+            c.attend(Q)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_renewed_certificate_is_served_to_new_connections_while_open_ones_go_on(pki: Pki, tmp_path: Path) -> None:
+    files = tmp_path / "live"
+    live = Pki(files, ca=pki.ca)
+    with running(tls_settings(live)) as handle, Client(handle.target, ca=str(pki.ca_pem), timeout_s=10) as before:
+        assert before.attend(Q).output.shape == (3, 32)
+        # Renew with a certificate from a new CA: new handshakes must present it.
+        renewed = Pki(tmp_path / "renewed")
+        live.server_cert.write_bytes(renewed.server_cert.read_bytes())
+        live.server_key.write_bytes(renewed.server_key.read_bytes())
+        handle.server.reload_tls()
+        with Client(handle.target, ca=str(renewed.ca_pem), timeout_s=10) as after:
+            assert after.attend(Q).output.shape == (3, 32)
+        assert before.attend(Q).output.shape == (3, 32)  # the open connection was not dropped
+
+
+def test_tokens_authenticate_and_authorise_per_model(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# hashes only\n{token_hash('s3cret')} default\n{token_hash('admin')} *\n")
+    with running(settings(model(embed_dim=32, num_heads=4), model("other", embed_dim=32, num_heads=4),
+                          auth_tokens_file=str(tokens))) as handle:  # fmt: skip
+        with Client(handle.target, timeout_s=10, retries=False) as c:
+            with pytest.raises(AttnServeError) as err:
+                c.attend(Q)
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert c.health() == "SERVING"  # health stays open for probes
+        with Client(handle.target, token="wrong", timeout_s=10) as c, pytest.raises(AttnServeError) as err:
+            c.attend(Q)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and "wrong" not in err.value.message
+        with Client(handle.target, token="s3cret", timeout_s=10) as c:
+            assert c.attend(Q).output.shape == (3, 32)
+            with pytest.raises(AttnServeError) as err:
+                c.attend(Q, model="other")
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(AttnServeError) as err:
+                c.model("other")
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with Client(handle.target, token="admin", timeout_s=10) as c:
+            assert c.attend(Q, model="other").output.shape == (3, 32)
+        # tritonclient sends the token as a header.
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(handle.target)
+        q = tc.InferInput("query", [1, 3, 32], "FP32")
+        q.set_data_from_numpy(Q[None])
+        assert client.infer("default", [q], headers={"authorization": "Bearer s3cret"}).as_numpy("output").shape == (
+            1, 3, 32,
+        )  # fmt: skip
+        with pytest.raises(tc.InferenceServerException) as err:
+            client.infer("default", [q])
+        assert "UNAUTHENTICATED" in str(err.value.status())
+        assert "s3cret" not in handle.metrics_text()
+
+
+def test_the_cli_speaks_tls_and_tokens(pki: Pki, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    fields = {"auth_tokens": f"{token_hash('s3cret')} *"}
+    with running(tls_settings(pki, **fields)) as handle:
+        base = [sys.executable, "-m", "attnserve_server"]
+        r = subprocess.run([*base, "infer", "--target", handle.target, "--tls-ca", str(pki.ca_pem), "--token-file",
+                            str(token), "--seq-len", "4"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "output: shape [1, 4, 32]" in r.stdout
+        r = subprocess.run([*base, "health", "--target", handle.target, "--tls-ca", str(pki.ca_pem)],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
