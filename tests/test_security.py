@@ -3,8 +3,11 @@ Certificates are made at test time (trustme); nothing leaves loopback."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -158,3 +161,42 @@ def test_the_cli_speaks_tls_and_tokens(pki: Pki, tmp_path: Path) -> None:
         r = subprocess.run([*base, "health", "--target", handle.target, "--tls-ca", str(pki.ca_pem)],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
+
+
+def _get(url: str, context=None) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=context) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_the_metrics_port_answers_metrics_only_on_its_own_host() -> None:
+    # gRPC on 127.0.0.1, metrics on 127.0.0.2 (both loopback).
+    with running(settings(model(embed_dim=32, num_heads=4), metrics_host="127.0.0.2")) as handle:
+        port = handle.server.metrics_port
+        status, text = _get(f"http://127.0.0.2:{port}/metrics")
+        assert status == 200 and "attnserve_queue_depth" in text
+        assert _get(f"http://127.0.0.2:{port}/")[0] == 404
+        assert _get(f"http://127.0.0.2:{port}/debug")[0] == 404
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_the_metrics_port_speaks_tls_and_can_require_a_client_certificate(pki: Pki) -> None:
+    fields = {
+        "metrics_tls_cert": str(pki.server_cert),
+        "metrics_tls_key": str(pki.server_key),
+        "metrics_tls_client_ca": str(pki.ca_pem),
+    }
+    with running(settings(model(embed_dim=32, num_heads=4), **fields)) as handle:
+        url = f"https://127.0.0.1:{handle.server.metrics_port}/metrics"
+        scraper = ssl.create_default_context(cafile=str(pki.ca_pem))
+        scraper.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        status, text = _get(url, scraper)
+        assert status == 200 and "attnserve_queue_depth" in text
+        anonymous = ssl.create_default_context(cafile=str(pki.ca_pem))  # no client certificate
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=5, context=anonymous).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url.replace("https", "http"), timeout=5).read()

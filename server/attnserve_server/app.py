@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import grpc
 import grpc.aio
@@ -19,7 +20,7 @@ from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher
 from attnserve_server.edge.registration import add_service
 from attnserve_server.edge.servicer import AttentionServicer
-from attnserve_server.errors import PortUnavailable
+from attnserve_server.errors import ConfigError, PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.protocol import open_inference_pb2
@@ -125,10 +126,15 @@ class AttnServer:
             raise PortUnavailable(f"gRPC port {s.host}:{s.port}: cannot bind (in use, or not an address of this host)")
         await self._server.start()
         if s.metrics_port >= 0:
+            host = s.metrics_host or s.host
             try:
-                self._metrics_http, _ = self.metrics.serve_http(s.host, s.metrics_port)
+                self._metrics_http = self.metrics.serve_http(
+                    host, s.metrics_port, s.metrics_tls_cert, s.metrics_tls_key, s.metrics_tls_client_ca
+                )
+            except ssl.SSLError as exc:
+                raise ConfigError(f"metrics_tls_cert, metrics_tls_key: cannot load them ({exc.reason})") from None
             except OSError as exc:
-                raise PortUnavailable(f"metrics port {s.host}:{s.metrics_port}: cannot bind ({exc.strerror})") from None
+                raise PortUnavailable(f"metrics port {host}:{s.metrics_port}: cannot bind ({exc.strerror})") from None
             self.metrics_port = self._metrics_http.server_port
         # Health answers (NOT_SERVING) while the models load and warm up.
         for served in self.models.values():

@@ -176,7 +176,8 @@ async def _serve(settings: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
-    metrics = f"{settings.host}:{server.metrics_port}" if server.metrics_port is not None else "off"
+    metrics_host = settings.metrics_host or settings.host
+    metrics = f"{metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off"
     # One line on stdout for scripts (and tests) that start the server: its real ports.
     print(
         f"attnserve ready grpc={settings.host}:{server.port} metrics={metrics} models={','.join(server.models)}",

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+import socket
+import ssl
+import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -130,9 +135,36 @@ class Metrics:
         if devices:
             self.registry.register(_CudaMemoryCollector(devices))
 
-    def serve_http(self, host: str, port: int):
-        """Starts the /metrics endpoint on its own thread; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(
+        self,
+        host: str,
+        port: int,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+    ) -> MetricsHTTPServer:
+        """Starts the endpoint on a thread of its own: `/metrics` only (anything else is 404), over TLS
+        when given a certificate and key (and, with a client CA, only for clients it signed)."""
+        app = make_wsgi_app(self.registry)
+
+        def only_metrics(environ, start_response):
+            if environ.get("PATH_INFO", "") not in ("/metrics", "/metrics/"):
+                start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+                return [b"attnserve answers /metrics only\n"]
+            return app(environ, start_response)
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("Server", (MetricsHTTPServer,), {"address_family": family})
+        httpd = make_server(host, port, only_metrics, server_class, handler_class=_QuietHandler)
+        if tls_cert and tls_key:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(tls_cert, tls_key)
+            if tls_client_ca:
+                context.load_verify_locations(tls_client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+            httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+        threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+        return httpd
 
 
 @dataclass
@@ -250,6 +282,15 @@ class ModelMetrics:
             histogram = self.durations[method] = FastHistogram(LATENCY_BUCKETS_S)
         histogram.observe(duration_s)
         (self.stats.success if code is grpc.StatusCode.OK else self.stats.fail).add(duration_s)
+
+
+class MetricsHTTPServer(ThreadingWSGIServer):
+    """The metrics endpoint's HTTP server: a thread per scrape, never holding the process at exit."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 class FastHistogram:

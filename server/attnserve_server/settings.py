@@ -69,6 +69,10 @@ class ServerSettings:
     port: int = 50051
     # 0 picks a free port; a negative port turns the metrics endpoint off.
     metrics_port: int = 9095
+    metrics_host: str | None = None  # default: `host`
+    metrics_tls_cert: str | None = None  # TLS on the metrics port: both files, or neither
+    metrics_tls_key: str | None = None
+    metrics_tls_client_ca: str | None = None  # scrapers must present a certificate it signed
     grace_s: float = 10.0
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
@@ -105,6 +109,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", "server", str, "address to bind (default 0.0.0.0)"),
     Option("port", "server", int, "gRPC port; 0 picks a free one (default 50051)"),
     Option("metrics-port", "server", int, "Prometheus port; 0 picks a free one, -1 disables (default 9095)"),
+    Option("metrics-host", "server", str, "address the metrics endpoint binds (default: --host)"),
+    Option("metrics-tls-cert", "server", str, "PEM certificate for TLS on the metrics port (default: plain HTTP)"),
+    Option("metrics-tls-key", "server", str, "PEM private key of --metrics-tls-cert"),
+    Option("metrics-tls-client-ca", "server", str, "PEM CA that scrapers' client certificates must chain to"),
     Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
@@ -311,6 +319,14 @@ def validate(settings: ServerSettings) -> None:
         "tls_cert, tls_key: give both (TLS) or neither (plaintext)",
     )
     _check(settings.tls_client_ca is None or settings.tls_cert is not None, "tls_client_ca: needs tls_cert and tls_key")
+    _check(
+        (settings.metrics_tls_cert is None) == (settings.metrics_tls_key is None),
+        "metrics_tls_cert, metrics_tls_key: give both (HTTPS) or neither (HTTP)",
+    )
+    _check(
+        settings.metrics_tls_client_ca is None or settings.metrics_tls_cert is not None,
+        "metrics_tls_client_ca: needs metrics_tls_cert and metrics_tls_key",
+    )
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
