@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -89,6 +91,45 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
             c.attend(x, timeout_s=2)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in server.proc.stderr.read()
+
+
+def test_sigterm_under_load_answers_every_call_ok_or_unavailable_never_cancelled(server_process) -> None:
+    # 16 clients keep the server busy; SIGTERM lands mid-stream. gRPC's own stop cancels calls it has
+    # accepted but not yet handed over (CANCELLED, which no client retries): the server must answer
+    # them UNAVAILABLE instead, and every accepted request OK.
+    server = ServerProcess("--embed-dim", "64", "--num-heads", "4", "--device", "cpu")
+    server_process.append(server)
+    q = np.ones((16, 64), np.float32)
+    codes: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    warm = threading.Event()
+    stop = threading.Event()
+
+    def client() -> None:
+        with Client(server.target, timeout_s=10) as c:
+            while not stop.is_set():
+                try:
+                    c.attend(q)
+                    code = "OK"
+                except AttnServeError as exc:
+                    code = exc.code.name
+                with lock:
+                    codes[code] += 1
+                    if codes["OK"] >= 400:
+                        warm.set()
+                if code != "OK" and server.proc.poll() is not None:
+                    return
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    assert warm.wait(120), f"the load never got going: {dict(codes)}"
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, dict(codes)
 
 
 BLOCK_TORCH = """

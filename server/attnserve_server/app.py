@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 _HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+# After the models have drained, how long late calls are still answered UNAVAILABLE before gRPC stops.
+SHUTDOWN_LINGER_S = 0.25
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -150,12 +152,19 @@ class AttnServer:
         if self._stopped:
             return
         grace = self.settings.grace_s if grace_s is None else grace_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         await self._health.enter_graceful_shutdown()
-        drains = [served.drain(grace) for served in self.models.values()]
+        # 1. The models stop admitting and run what they accepted, while gRPC keeps accepting calls:
+        #    a late call is answered UNAVAILABLE by the edge, which clients retry. gRPC's own stop
+        #    would cancel the calls it has accepted but not yet handed to a handler: CANCELLED, which
+        #    no client retries (grpc/grpc#41785).
+        results = await asyncio.gather(*(m.drain(grace) for m in self.models.values()), return_exceptions=True)
         if self._server is not None:
-            # The server refuses new RPCs at once and cancels what is left after `grace`.
-            drains.append(self._server.stop(grace))
-        results = await asyncio.gather(*drains, return_exceptions=True)
+            # 2. A moment more of UNAVAILABLE answers for calls already on their way, then gRPC stops:
+            #    the answers in flight go out within what is left of the grace period.
+            await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
+            results.append(await self._server.stop(max(0.0, deadline - loop.time())))
         for result in results:
             if result is False:
                 log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)
