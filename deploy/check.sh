@@ -101,6 +101,27 @@ EOF
     echo "autoscaling.enabled=false still rendered an HPA" >&2
     return 1
   fi
+  step "helm template with TLS, mTLS and tokens | kubernetes-validate --strict; the probes move to the health port"
+  "$HELM" template attnserve "$chart" --namespace ml --set tls.secretName=attnserve-tls --set tls.clientAuth=true \
+    --set auth.secretName=attnserve-tokens >"$out/tls.yaml"
+  "$TOOLS/bin/kubernetes-validate" --strict --quiet "$out/tls.yaml"
+  "$TOOLS/bin/python" - "$out/tls.yaml" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+container = pod["containers"][0]
+env = {e["name"]: e["value"] for e in container["env"]}
+assert env["ATTNSERVE_TLS_CERT"] == "/etc/attnserve/tls/tls.crt"
+assert env["ATTNSERVE_TLS_CLIENT_CA"] == "/etc/attnserve/tls/ca.crt"
+assert env["ATTNSERVE_AUTH_TOKENS_FILE"] == "/etc/attnserve/auth/tokens"
+health = int(env["ATTNSERVE_HEALTH_PORT"])
+assert all(container[p]["grpc"]["port"] == health for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+volumes = {v["name"]: v for v in pod["volumes"]}
+assert volumes["tls"]["secret"]["secretName"] == "attnserve-tls"
+assert volumes["auth"]["secret"]["secretName"] == "attnserve-tokens"
+assert {"tls", "auth"} <= {m["name"] for m in container["volumeMounts"]}
+print("ok: TLS and token secrets mounted, probes on the plaintext health port", health)
+EOF
   if "$HELM" template attnserve "$chart" --set shutdown.terminationGracePeriodSeconds=20 >/dev/null 2>&1; then
     echo "the chart accepted a grace period shorter than the drain" >&2
     return 1

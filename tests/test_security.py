@@ -200,3 +200,18 @@ def test_the_metrics_port_speaks_tls_and_can_require_a_client_certificate(pki: P
             urllib.request.urlopen(url, timeout=5, context=anonymous).read()
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(url.replace("https", "http"), timeout=5).read()
+
+
+def test_a_plaintext_health_port_answers_probes_while_the_grpc_port_speaks_tls(pki: Pki) -> None:
+    with running(tls_settings(pki, health_port=0)) as handle:
+        health = f"127.0.0.1:{handle.server.health_port}"
+        with Client(health, timeout_s=5, retries=False) as probe:
+            assert probe.health() == "SERVING" and probe.health("default") == "SERVING"
+            with pytest.raises(AttnServeError) as err:
+                probe.attend(Q)  # health only: nothing else is served in plaintext
+            assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+        with Client(handle.target, timeout_s=3, retries=False) as plain, pytest.raises(AttnServeError):
+            plain.health()  # the gRPC port itself still refuses plaintext
+        handle.call(handle.server.stop(5))
+        with Client(health, timeout_s=3, retries=False) as probe, pytest.raises(AttnServeError):
+            probe.health()  # gone with the server

@@ -75,6 +75,8 @@ class AttnServer:
         self._metrics_http = None
         self._stopped = False
         self._tls: ReloadingTLS | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
 
     def reload_tls(self) -> None:
         """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
@@ -127,6 +129,18 @@ class AttnServer:
         if self.port == 0:
             raise PortUnavailable(f"gRPC port {s.host}:{s.port}: cannot bind (in use, or not an address of this host)")
         await self._server.start()
+        if s.health_port >= 0:
+            # Kubernetes' gRPC probe speaks no TLS: with TLS on, probes ask this plaintext port, which
+            # serves the same health statuses and nothing else.
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            try:
+                self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
+            except RuntimeError:
+                self.health_port = 0
+            if self.health_port == 0:
+                raise PortUnavailable(f"health port {s.host}:{s.health_port}: cannot bind (in use, or not this host's)")
+            await self._health_server.start()
         if s.metrics_port >= 0:
             host = s.metrics_host or s.host
             try:
@@ -170,6 +184,8 @@ class AttnServer:
                 log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)
             elif isinstance(result, BaseException):
                 log.error("error during shutdown: %r", result)
+        if self._health_server is not None:  # last: probes see NOT_SERVING for the whole drain
+            await self._health_server.stop(0)
         for served in self.models.values():
             await asyncio.to_thread(served.close)
         if self._metrics_http is not None:

@@ -70,6 +70,8 @@ class ServerSettings:
     # 0 picks a free port; a negative port turns the metrics endpoint off.
     metrics_port: int = 9095
     metrics_host: str | None = None  # default: `host`
+    # A plaintext port serving grpc.health.v1 only, for probes that speak no TLS; negative: off.
+    health_port: int = -1
     metrics_tls_cert: str | None = None  # TLS on the metrics port: both files, or neither
     metrics_tls_key: str | None = None
     metrics_tls_client_ca: str | None = None  # scrapers must present a certificate it signed
@@ -110,6 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", "server", int, "gRPC port; 0 picks a free one (default 50051)"),
     Option("metrics-port", "server", int, "Prometheus port; 0 picks a free one, -1 disables (default 9095)"),
     Option("metrics-host", "server", str, "address the metrics endpoint binds (default: --host)"),
+    Option("health-port", "server", int, "plaintext port with grpc.health.v1 only, for probes (default -1: off)"),
     Option("metrics-tls-cert", "server", str, "PEM certificate for TLS on the metrics port (default: plain HTTP)"),
     Option("metrics-tls-key", "server", str, "PEM private key of --metrics-tls-cert"),
     Option("metrics-tls-client-ca", "server", str, "PEM CA that scrapers' client certificates must chain to"),
