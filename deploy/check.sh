@@ -222,6 +222,7 @@ smoke() {
   [ -x "$VENV/bin/attnserve" ] || ./dev setup
   command -v promtool >/dev/null || apt_install prometheus
   command -v curl >/dev/null || apt_install curl
+  command -v openssl >/dev/null || apt_install openssl
   podman_ready
   base_image
   step "wheels for an offline build (deploy/wheels)"
@@ -242,7 +243,7 @@ smoke() {
   prom_dir=$(mktemp -d)
   cleanup() {
     [ -n "$prom_pid" ] && kill "$prom_pid" 2>/dev/null || true
-    podman rm -f "$name" >/dev/null 2>&1 || true
+    podman rm -f "$name" "$name-tls" >/dev/null 2>&1 || true
     rm -rf "$prom_dir"
   }
   trap cleanup RETURN
@@ -313,6 +314,41 @@ EOF
   echo "the request in flight was answered: $(grep '^timing' "$prom_dir/held.log")"
   python3 -c "import sys; sys.exit(0 if $took < $grace else 1)" || { echo "smoke: stop took ${took} s (grace ${grace} s)" >&2; return 1; }
   echo "ok"
+
+  step "TLS: the same image with a certificate, a plaintext health port for its HEALTHCHECK, plaintext refused"
+  local pki=$prom_dir/pki tls_port health_port
+  mkdir -p "$pki"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "/CN=attnserve-smoke-ca" \
+    -keyout "$pki/ca.key" -out "$pki/ca.pem" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" -keyout "$pki/server.key" -out "$pki/server.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1\n' >"$pki/san.ext"
+  openssl x509 -req -in "$pki/server.csr" -CA "$pki/ca.pem" -CAkey "$pki/ca.key" -CAcreateserial -days 1 \
+    -extfile "$pki/san.ext" -out "$pki/server.pem" 2>/dev/null
+  chmod 644 "$pki/server.key" # read by the image's user 10001
+  tls_port=$(free_port)
+  health_port=$(free_port)
+  podman run -d --name "$name-tls" --network host --health-interval disable -v "$pki:/tls:ro" \
+    -e ATTNSERVE_PORT="$tls_port" -e ATTNSERVE_METRICS_PORT=-1 -e ATTNSERVE_HEALTH_PORT="$health_port" \
+    -e ATTNSERVE_TLS_CERT=/tls/server.pem -e ATTNSERVE_TLS_KEY=/tls/server.key \
+    "$IMAGE" --embed-dim 64 --num-heads 4 >/dev/null
+  deadline=$((SECONDS + 180))
+  until "$VENV/bin/attnserve" health --target "127.0.0.1:$tls_port" --tls-ca "$pki/ca.pem" >/dev/null 2>&1; do
+    if [ $SECONDS -gt $deadline ]; then
+      podman logs "$name-tls" >&2
+      echo "smoke: the TLS container never became SERVING" >&2
+      return 1
+    fi
+    sleep 1
+  done
+  podman healthcheck run "$name-tls" # its HEALTHCHECK asks the plaintext health port
+  "$VENV/bin/attnserve" infer --target "127.0.0.1:$tls_port" --tls-ca "$pki/ca.pem" --seq-len 8 | grep '^output'
+  if "$VENV/bin/attnserve" infer --target "127.0.0.1:$tls_port" --timeout-s 3 --seq-len 8 >/dev/null 2>&1; then
+    echo "smoke: the TLS port answered a plaintext client" >&2
+    return 1
+  fi
+  podman stop -t 15 "$name-tls" >/dev/null
+  [ "$(podman inspect --format '{{.State.ExitCode}}' "$name-tls")" = 0 ] || { echo "smoke: TLS container exit" >&2; return 1; }
+  echo "ok: TLS served, plaintext refused, HEALTHCHECK on the health port, exit 0"
 }
 
 case "${1:-all}" in

@@ -215,3 +215,21 @@ def test_a_plaintext_health_port_answers_probes_while_the_grpc_port_speaks_tls(p
         handle.call(handle.server.stop(5))
         with Client(health, timeout_s=3, retries=False) as probe, pytest.raises(AttnServeError):
             probe.health()  # gone with the server
+
+
+def test_bench_measures_a_server_behind_tls_and_a_token(pki: Pki, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    with running(tls_settings(pki, auth_tokens=f"{token_hash('s3cret')} *")) as handle:
+        r = subprocess.run(
+            [sys.executable, "-m", "attnserve_server", "bench", "--target", handle.target, "--tls-ca", str(pki.ca_pem),
+             "--token-file", str(token), "--concurrency", "2", "--duration-s", "0.5", "--warmup-s", "0.2",
+             "--processes", "1", "--inprocess-s", "0.2", "--seq-len", "8"],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = r.stdout.strip().splitlines()
+        header = next(line.split() for line in lines if line.startswith("server"))
+        row = lines[-1].split()
+        assert header[-1] == "errors" and row[-1] == "0", r.stdout  # every call got through TLS and the token
+        assert handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK") > 0

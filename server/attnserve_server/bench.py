@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from attnserve_server.connect import Refused, add_connection_flags, connection_from
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -32,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch-size value) with the model flags given here, on 127.0.0.1.",
     )
     p.add_argument("--target", help="benchmark a running server instead of starting one")
+    add_connection_flags(p)  # for --target: the servers bench starts itself are plaintext
     p.add_argument("--model", default="default", help="model name (default 'default')")
     p.add_argument("--concurrency", default="1,8,32,64", help="comma list of in-flight requests (default 1,8,32,64)")
     p.add_argument("--duration-s", type=float, default=8.0, help="measured seconds per level (default 8)")
@@ -97,6 +100,7 @@ class Row:
 
 def _client_process(
     target: str,
+    connection: dict[str, Any],
     request: bytes,
     concurrency: int,
     start_at: float,
@@ -112,8 +116,12 @@ def _client_process(
     import grpc
     import grpc.aio
 
-    from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+    from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, channel_options
     from attnserve.v1 import attention_pb2 as pb
+
+    token = connection.get("token")
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    credentials = channel_credentials(connection["tls"], connection["ca"], connection["cert"], connection["key"], None)
 
     measure_from = start_at + warmup_s
     end_at = measure_from + duration_s
@@ -125,7 +133,7 @@ def _client_process(
         while (now := time.time()) < end_at:
             t0 = time.perf_counter()
             try:
-                reply = await attend(request, timeout=30, wait_for_ready=True)
+                reply = await attend(request, timeout=30, wait_for_ready=True, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if now >= measure_from:
                     errors.append(f"{exc.code().name}: {exc.details()}")
@@ -137,7 +145,12 @@ def _client_process(
 
     async def main() -> None:
         options = channel_options(DEFAULT_MAX_MESSAGE_BYTES, retries=False)
-        async with grpc.aio.insecure_channel(target, options) as channel:
+        channel = (
+            grpc.aio.secure_channel(target, credentials, options)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options)
+        )
+        async with channel:
             attend = channel.unary_unary(
                 "/attnserve.v1.AttentionService/Attend",
                 request_serializer=None,  # already bytes
@@ -183,7 +196,18 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
     workers = [
         ctx.Process(
             target=_client_process,
-            args=(target, request, share, start_at, args.warmup_s, args.duration_s, progress, i, results),
+            args=(
+                target,
+                args.connection,
+                request,
+                share,
+                start_at,
+                args.warmup_s,
+                args.duration_s,
+                progress,
+                i,
+                results,
+            ),
         )
         for i, share in enumerate(shares)
     ]
@@ -406,6 +430,13 @@ def run(args: argparse.Namespace) -> int:
     # set before torch loads in this process.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+    # TLS and tokens reach a server given by --target; the servers bench starts are plaintext.
+    plain = {"tls": False, "ca": None, "cert": None, "key": None, "token": None}
+    try:
+        args.connection = connection_from(args) if args.target else plain
+    except Refused as exc:
+        print(f"attnserve bench: {exc}", file=sys.stderr)
+        return 2
     levels = [int(c) for c in args.concurrency.split(",")]
     variants = [None] if args.target else args.max_batch_size.split(",")
     rows: list[Row] = []
@@ -417,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
             proc, target = _start_server(args, variant)
         label = f"max_batch={variant}" if variant is not None else target
         try:
-            with Client(target, wait_for_ready=True, timeout_s=60) as client:
+            with Client(target, wait_for_ready=True, timeout_s=60, **args.connection) as client:
                 info = client.model(args.model)
             inputs = _inputs(info, args)
             if args.floor and echo is None:

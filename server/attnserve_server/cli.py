@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.settings import OPTIONS
 
 _DESCRIPTION = "attnserve: multi-head attention served over gRPC."
@@ -31,34 +32,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     for opt in OPTIONS:
         kind = str if opt.type is bool else opt.type
         p.add_argument(f"--{opt.flag}", dest=opt.dest, type=kind, default=None, help=f"{opt.help} [{opt.env}]")
-
-
-def _add_connection(p: argparse.ArgumentParser) -> None:
-    """TLS and token flags, the same for every client command."""
-    g = p.add_argument_group("TLS and tokens (README: Security)")
-    g.add_argument("--tls", action="store_true", help="TLS, trusting the system's roots (implied by the other --tls-*)")
-    g.add_argument("--tls-ca", help="PEM file of the CA to trust instead of the system's roots")
-    g.add_argument("--tls-cert", help="PEM client certificate, for mTLS (with --tls-key)")
-    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument(
-        "--token-file", help="file holding the bearer token (default: $ATTNSERVE_TOKEN; none: no token sent)"
-    )
-
-
-def _connection(args: argparse.Namespace) -> dict[str, Any]:
-    """Client keyword arguments from the connection flags; raises _Refused for an unreadable file."""
-    token = os.environ.get("ATTNSERVE_TOKEN")
-    if args.token_file:
-        try:
-            with open(args.token_file) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise _Refused(f"--token-file {args.token_file}: {exc.strerror}") from None
-    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
-    for name, path in files.items():
-        if path and not os.path.isfile(path):
-            raise _Refused(f"--tls-{name} {path}: no such file")
-    return {"tls": args.tls, **files, "token": token}
 
 
 def _add_infer(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +57,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
     p.add_argument("--output", help="save Y to this .npy file")
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline (default 30)")
-    _add_connection(p)
+    add_connection_flags(p)
 
 
 def _add_health(sub: argparse._SubParsersAction) -> None:
@@ -94,23 +67,26 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
         description="Check a server's health over grpc.health.v1. Prints the status; exits 0 when it is "
         "SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable).",
     )
-    port = os.environ.get("ATTNSERVE_PORT", "50051")
+    # In the server's container: its plaintext health port when it has one (TLS on), else its gRPC port.
+    health_port = os.environ.get("ATTNSERVE_HEALTH_PORT", "")
+    port = health_port if health_port.isdigit() else os.environ.get("ATTNSERVE_PORT", "50051")
     p.add_argument(
         "--target",
         default=f"127.0.0.1:{port}",
-        help="server address (default 127.0.0.1 and $ATTNSERVE_PORT or 50051: the server's own port in its container)",
+        help="server address (default 127.0.0.1 and $ATTNSERVE_HEALTH_PORT, $ATTNSERVE_PORT or 50051: "
+        "the server's own port in its container)",
     )
     p.add_argument("--service", default="", help="'' for the server (default), a service or a model name")
     p.add_argument("--timeout-s", type=float, default=3.0, help="deadline (default 3)")
-    _add_connection(p)
+    add_connection_flags(p)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     from attnserve import AttnServeError, Client
 
     try:
-        connection = _connection(args)
-    except _Refused as exc:
+        connection = connection_from(args)
+    except Refused as exc:
         print(f"attnserve health: {exc}", file=sys.stderr)
         return 2
     with Client(args.target, timeout_s=args.timeout_s, retries=False, **connection) as client:
@@ -229,8 +205,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     rng = np.random.default_rng(args.seed)
     try:
-        connection = _connection(args)
-    except _Refused as exc:
+        connection = connection_from(args)
+    except Refused as exc:
         print(f"attnserve infer: {exc}", file=sys.stderr)
         return 2
     with Client(args.target, timeout_s=args.timeout_s, **connection) as client:
@@ -242,7 +218,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 try:
                     return np.load(path)
                 except (OSError, ValueError) as exc:  # missing, unreadable, or not a .npy file
-                    raise _Refused(f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
+                    raise Refused(f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
 
             def data(path: str | None, length: int | None, width: int) -> Any:
                 if path:
@@ -275,7 +251,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
         except AttnServeError as exc:
             print(f"attnserve infer: {exc.code.name}: {exc.message}", file=sys.stderr)
             return 1
-        except (_Refused, ValueError) as exc:  # a file that cannot be read, an array the client cannot send
+        except (Refused, ValueError) as exc:  # a file that cannot be read, an array the client cannot send
             print(f"attnserve infer: {exc}", file=sys.stderr)
             return 2
     t = result.timing
@@ -293,10 +269,6 @@ def cmd_infer(args: argparse.Namespace) -> int:
         np.save(args.output, result.output)
         print(f"saved output to {args.output}")
     return 0
-
-
-class _Refused(Exception):
-    """A user mistake a command reports in one line (exit 2), not with a traceback."""
 
 
 def _server_extra_present(command: str) -> bool:

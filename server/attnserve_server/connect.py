@@ -1,0 +1,39 @@
+"""Connection flags shared by the commands that call a server (infer, health, bench): TLS and tokens."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+class Refused(Exception):
+    """A user mistake a command reports in one line (exit 2), not with a traceback."""
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """TLS and token flags, the same for every client command."""
+    g = p.add_argument_group("TLS and tokens (README: Security)")
+    g.add_argument("--tls", action="store_true", help="TLS, trusting the system's roots (implied by the other --tls-*)")
+    g.add_argument("--tls-ca", help="PEM file of the CA to trust instead of the system's roots")
+    g.add_argument("--tls-cert", help="PEM client certificate, for mTLS (with --tls-key)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--token-file", help="file holding the bearer token (default: $ATTNSERVE_TOKEN; none: no token sent)"
+    )
+
+
+def connection_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Client keyword arguments from the connection flags; raises Refused for an unreadable file."""
+    token = os.environ.get("ATTNSERVE_TOKEN")
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise Refused(f"--token-file {args.token_file}: {exc.strerror}") from None
+    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    for name, path in files.items():
+        if path and not os.path.isfile(path):
+            raise Refused(f"--tls-{name} {path}: no such file")
+    return {"tls": args.tls, **files, "token": token}
