@@ -174,6 +174,19 @@ for name, service in services.items():
         assert dep in services, f"{name} depends on unknown service {dep}"
 print("ok:", ", ".join(services))
 EOF
+  step "compose file with TLS (compose.tls.yaml over compose.yaml): podman-compose config, TLS settings paired"
+  ATTNSERVE_TLS_DIR=/tmp "$TOOLS/bin/podman-compose" -f deploy/compose/compose.yaml -f deploy/compose/compose.tls.yaml \
+    config >/dev/null
+  "$TOOLS/bin/python" - deploy/compose/compose.yaml deploy/compose/compose.tls.yaml <<'EOF'
+import sys, yaml
+base, tls = (yaml.safe_load(open(p)) for p in sys.argv[1:])
+assert set(tls["services"]) <= set(base["services"]), "the TLS override names a service the stack lacks"
+env = tls["services"]["attnserve"]["environment"]
+assert {"ATTNSERVE_TLS_CERT", "ATTNSERVE_TLS_KEY", "ATTNSERVE_HEALTH_PORT"} <= set(env)
+mounts = [v.rsplit(":", 2)[-2] for v in tls["services"]["attnserve"]["volumes"]]
+assert all(env[k].startswith("/tls/") for k in ("ATTNSERVE_TLS_CERT", "ATTNSERVE_TLS_KEY")) and "/tls" in mounts
+print("ok: TLS override")
+EOF
 }
 
 lint() {
