@@ -227,9 +227,12 @@ def test_bench_prints_a_table_with_the_in_process_ratio_and_the_floor(default_se
     short = ("--duration-s", "0.5", "--warmup-s", "0.2", "--processes", "2", "--inprocess-s", "0.3")
     r = run_cli(
         *("bench", "--target", default_server.target, "--model", "default", "--concurrency", "1,4"),
-        *(*short, "--seq-len", "8", "--floor", "--json", str(out)),
+        *(*short, "--seq-len", "8", "--floor", "--json", str(out), "--plot", str(tmp_path / "bench.png")),
     )
     assert r.returncode == 0, r.stderr
+    assert (tmp_path / "bench.png").read_bytes()[
+        :8
+    ] == b"\x89PNG\r\n\x1a\n" and f"plot: {tmp_path / 'bench.png'}" in r.stdout
     assert re.search(r"conc +req/s +p50 ms +p90 ms +p99 ms +batch +in-proc req/s +ratio", r.stdout)
     rows = json.loads(out.read_text())["rows"]
     served = [row for row in rows if row["server"] == default_server.target]

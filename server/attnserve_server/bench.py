@@ -45,6 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-len", type=int, help="key length S: cross attention (MHA) or K/V length (sdpa)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument(
+        "--plot",
+        help="also draw throughput against p50 and p99 latency, one line per server, to this image file "
+        "(needs matplotlib: pip install 'attnserve[plot]')",
+    )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
     p.add_argument(
         "--floor",
@@ -163,6 +168,57 @@ def _client_process(
     results.put((latencies, batches, errors))
 
 
+class _NoProgress:
+    n = 0
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(label: str) -> Any:
+    """A progress bar on stderr (requests measured so far), or nothing where tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(desc=f"  {label}", unit=" req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    """Throughput against p50 and p99 latency, one line per server or configuration, a point per
+    concurrency level (labelled), written to `path` (the format from its suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(r.server for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    for ax, name, key in ((axes[0], "p50", "p50_ms"), (axes[1], "p99", "p99_ms")):
+        for server in servers:
+            own = sorted((r for r in rows if r.server == server), key=lambda r: r.concurrency)
+            xs, ys = [r.throughput_rps for r in own], [getattr(r, key) for r in own]
+            ax.plot(xs, ys, marker="o", label=server)
+            for r, x, y in zip(own, xs, ys, strict=True):
+                ax.annotate(f"c={r.concurrency}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel(f"{name} latency (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(f"{name} latency against throughput")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     shape = (args.batch, args.seq_len, info.embed_dim)
@@ -213,25 +269,17 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
     ]
     for w in workers:
         w.start()
-    end_at = start_at + args.warmup_s + args.duration_s
     gathered = []
-    while len(gathered) < procs:
-        try:
-            gathered.append(results.get(timeout=1.0))
-        except Exception:  # queue.Empty: print progress while we wait
-            done = sum(progress)
-            phase = "warm-up" if time.time() < start_at + args.warmup_s else f"{max(0, end_at - time.time()):.0f}s left"
-            print(
-                f"\r  {label} c={concurrency}: {done} requests ({phase})   ",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-            if not any(w.is_alive() for w in workers) and results.empty():
-                raise RuntimeError("a client process died; see its traceback above") from None
+    with _progress(f"{label} c={concurrency}") as bar:
+        while len(gathered) < procs:
+            try:
+                gathered.append(results.get(timeout=1.0))
+            except Exception:  # queue.Empty: report progress while we wait
+                bar.update(sum(progress) - bar.n)
+                if not any(w.is_alive() for w in workers) and results.empty():
+                    raise RuntimeError("a client process died; see its traceback above") from None
     for w in workers:
         w.join()
-    print(file=sys.stderr)
     lat = np.array([x for g in gathered for x in g[0]])
     batches = [x for g in gathered for x in g[1]]
     errors = [x for g in gathered for x in g[2]]
@@ -497,6 +545,13 @@ def run(args: argparse.Namespace) -> int:
             + (", causal" if args.causal else "")
         )
     print(_table(rows))
+    if args.plot:
+        try:
+            plot(rows, args.plot, command)
+        except ImportError:
+            print("attnserve bench: --plot needs matplotlib: pip install 'attnserve[plot]'", file=sys.stderr)
+            return 2
+        print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
