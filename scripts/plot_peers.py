@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from attnserve_server.bench import Row, plot
+from attnserve_bench.results import Row, plot
 
 
 def main(run: str, out: str, title: str) -> None:

@@ -23,10 +23,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from attnserve_bench.process import spawn_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
-from attnserve_server.cli import spawn_serve
 
 from conftest import Running
 

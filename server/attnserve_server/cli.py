@@ -7,11 +7,8 @@ import asyncio
 import importlib.util
 import logging
 import os
-import re
 import signal
-import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
@@ -108,38 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_infer(sub)
     _add_health(sub)
-    from attnserve_server.bench import add_parser as add_bench
+    from attnserve_bench.bench import add_parser as add_bench  # the load generator, apart from the server
 
     add_bench(sub)
     return parser
-
-
-# `serve` prints this line once it is ready; spawn_serve() reads it.
-_READY = re.compile(r"^attnserve ready grpc=(\S+):(\d+) metrics=(?:\S+:(\d+)|off)")
-
-
-@dataclass
-class ServeProcess:
-    proc: subprocess.Popen
-    port: int
-    metrics_port: int | None
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-
-def spawn_serve(*flags: str, stderr: Any = None) -> ServeProcess:
-    """Starts `attnserve serve` in a child process on 127.0.0.1 with free ports; returns once it is ready."""
-    cmd = [sys.executable, "-m", "attnserve_server", "serve", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--metrics-port", "0", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if match := _READY.match(line):
-            metrics = int(match.group(3)) if match.group(3) else None
-            return ServeProcess(proc, int(match.group(2)), metrics)
-    raise RuntimeError(f"attnserve serve exited with code {proc.wait()} before it was ready")
 
 
 async def _serve(settings: Any) -> int:
@@ -300,6 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_infer(args)
     if args.command == "health":
         return cmd_health(args)
-    from attnserve_server.bench import run as run_bench
+    from attnserve_bench.bench import run as run_bench
 
     return run_bench(args)

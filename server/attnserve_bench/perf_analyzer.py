@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from attnserve._codec import float32_to_bfloat16_bits
+from attnserve_bench.results import Row
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -91,7 +92,6 @@ def run_level(
     args: argparse.Namespace,
     label: str,
 ):
-    from attnserve_server.bench import Row
 
     model = inputs["model"]
     with tempfile.TemporaryDirectory(prefix="attnserve-pa-") as tmp:

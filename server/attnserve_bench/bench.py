@@ -17,12 +17,14 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
+from attnserve_bench.process import spawn_serve
+from attnserve_bench.results import Row, plot, table
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 
 
@@ -81,23 +83,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 FLOOR = "grpc floor (echo)"
-
-
-@dataclass
-class Row:
-    server: str
-    concurrency: int
-    requests: int
-    errors: int
-    throughput_rps: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    mean_batch: float
-    inprocess_rps: float | None = None
-    inprocess_batch: int | None = None
-    ratio: float | None = None
-    error_samples: list[str] = field(default_factory=list)
 
 
 # -- client processes -----------------------------------------------------------------------
@@ -190,35 +175,6 @@ def _progress(label: str) -> Any:
     return tqdm(desc=f"  {label}", unit=" req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def plot(rows: list[Row], path: str, title: str) -> None:
-    """Throughput against p50 and p99 latency, one line per server or configuration, a point per
-    concurrency level (labelled), written to `path` (the format from its suffix)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display
-    import matplotlib.pyplot as plt
-
-    servers = list(dict.fromkeys(r.server for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
-    for ax, name, key in ((axes[0], "p50", "p50_ms"), (axes[1], "p99", "p99_ms")):
-        for server in servers:
-            own = sorted((r for r in rows if r.server == server), key=lambda r: r.concurrency)
-            xs, ys = [r.throughput_rps for r in own], [getattr(r, key) for r in own]
-            ax.plot(xs, ys, marker="o", label=server)
-            for r, x, y in zip(own, xs, ys, strict=True):
-                ax.annotate(f"c={r.concurrency}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xlabel("throughput (requests/s)")
-        ax.set_ylabel(f"{name} latency (ms)")
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(f"{name} latency against throughput")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     shape = (args.batch, args.seq_len, info.embed_dim)
@@ -304,7 +260,6 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
 
 
 def _start_server(args: argparse.Namespace, max_batch_size: str) -> tuple[subprocess.Popen, str]:
-    from attnserve_server.cli import spawn_serve
 
     flags = [
         *("--metrics-port", "-1", "--kind", args.kind, "--embed-dim", str(args.embed_dim)),
@@ -455,22 +410,6 @@ def _machine() -> dict[str, Any]:
     return info
 
 
-def _table(rows: list[Row]) -> str:
-    head = (
-        f"{'server':<26} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-        f"{'batch':>6} {'in-proc req/s':>14} {'ratio':>6} {'errors':>6}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        inproc = f"{r.inprocess_rps:.1f} @{r.inprocess_batch}" if r.inprocess_rps else "-"
-        ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
-        lines.append(
-            f"{r.server:<26} {r.concurrency:>5} {r.throughput_rps:>9.1f} {r.p50_ms:>8.3f} {r.p90_ms:>8.3f} "
-            f"{r.p99_ms:>8.3f} {r.mean_batch:>6.1f} {inproc:>14} {ratio:>6} {r.errors:>6}"
-        )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     from attnserve import Client
 
@@ -502,17 +441,17 @@ def run(args: argparse.Namespace) -> int:
             if args.floor and echo is None:
                 echo = _start_echo(target, args.model)
             if args.perf_analyzer:
-                from attnserve_server import perf_analyzer
+                from attnserve_bench import perf_analyzer
 
                 data = perf_analyzer.input_data(inputs, info.dtype)
                 for mode in args.pa_modes.split(","):
                     for level in levels:
                         rows.append(perf_analyzer.run_level(target, data, inputs, level, mode, args, label))
-                        print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+                        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
             else:
                 for level in levels:
                     rows.append(_run_level(target, inputs, level, args, label))
-                    print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
         finally:
             if proc is not None:
                 _stop_server(proc)
@@ -520,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             for level in levels:
                 rows.append(_run_level(echo[1], inputs, level, args, FLOOR))
-                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+                print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
         finally:
             echo[0].terminate()
     if not args.no_inprocess and info is not None and inputs is not None:
@@ -544,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
             + (f", S={args.kv_len}" if args.kv_len else "")
             + (", causal" if args.causal else "")
         )
-    print(_table(rows))
+    print(table(rows))
     if args.plot:
         try:
             plot(rows, args.plot, command)

@@ -1,0 +1,36 @@
+"""Starting `attnserve serve` in a child process and knowing when it is ready (bench and the tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+# `serve` prints this line once it is ready; spawn_serve() reads it.
+_READY = re.compile(r"^attnserve ready grpc=(\S+):(\d+) metrics=(?:\S+:(\d+)|off)")
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int | None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def spawn_serve(*flags: str, stderr: Any = None) -> ServeProcess:
+    """Starts `attnserve serve` in a child process on 127.0.0.1 with free ports; returns once it is ready."""
+    cmd = [sys.executable, "-m", "attnserve_server", "serve", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--metrics-port", "0", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if match := _READY.match(line):
+            metrics = int(match.group(3)) if match.group(3) else None
+            return ServeProcess(proc, int(match.group(2)), metrics)
+    raise RuntimeError(f"attnserve serve exited with code {proc.wait()} before it was ready")
