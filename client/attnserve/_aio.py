@@ -42,6 +42,7 @@ class AsyncClient:
         cert: str | None = None,
         key: str | None = None,
         token: str | None = None,
+        trace: bool = False,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
         credentials = channel_credentials(tls, ca, cert, key, credentials)
@@ -53,7 +54,7 @@ class AsyncClient:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._call_args = CallDefaults(timeout_s, wait_for_ready, token)
+        self._call_args = CallDefaults(timeout_s, wait_for_ready, token, trace)
 
     async def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any

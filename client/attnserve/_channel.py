@@ -112,17 +112,30 @@ def channel_credentials(
 
 
 class CallDefaults:
-    """The per-call arguments both clients add: the default deadline, wait_for_ready, and the bearer
-    token (sent as `authorization` metadata, as tritonclient's headers are)."""
+    """The per-call arguments both clients add: the default deadline, wait_for_ready, the bearer
+    token (sent as `authorization` metadata, as tritonclient's headers are), and with `trace` the
+    current OpenTelemetry context as W3C `traceparent` metadata, so the server's spans join the trace."""
 
-    def __init__(self, timeout_s: float | None, wait_for_ready: bool, token: str | None = None) -> None:
+    def __init__(self, timeout_s: float | None, wait_for_ready: bool, token: str | None = None, trace: bool = False):
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._inject = None
+        if trace:
+            try:
+                from opentelemetry.propagate import inject
+            except ImportError as exc:
+                raise ImportError("trace=True needs OpenTelemetry: pip install opentelemetry-api") from exc
+            self._inject = inject
 
     def __call__(self, timeout_s: float | None) -> dict[str, object]:
+        metadata = self._metadata
+        if self._inject is not None:
+            carrier: dict[str, str] = {}
+            self._inject(carrier)
+            metadata = (*(metadata or ()), *carrier.items())
         return {
             "timeout": self.timeout_s if timeout_s is None else timeout_s,
             "wait_for_ready": self.wait_for_ready,
-            "metadata": self._metadata,
+            "metadata": metadata,
         }

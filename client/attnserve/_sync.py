@@ -43,7 +43,8 @@ class Client:
     `retries` lets gRPC retry UNAVAILABLE with backoff (a service config, not a loop here).
     TLS: `tls=True` (the system's roots), `ca` (a PEM file to trust instead), `cert` and `key` (a
     client certificate, for mTLS), or any `grpc.ChannelCredentials` as `credentials`. `token` is
-    sent as `authorization: Bearer <token>` with every call.
+    sent as `authorization: Bearer <token>` with every call. `trace=True` sends the current
+    OpenTelemetry context (`traceparent`), so the server's spans continue the caller's trace.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class Client:
         cert: str | None = None,
         key: str | None = None,
         token: str | None = None,
+        trace: bool = False,
     ) -> None:
         options = channel_options(max_message_bytes, retries)
         credentials = channel_credentials(tls, ca, cert, key, credentials)
@@ -71,7 +73,7 @@ class Client:
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._call_args = CallDefaults(timeout_s, wait_for_ready, token)
+        self._call_args = CallDefaults(timeout_s, wait_for_ready, token, trace)
 
     def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any

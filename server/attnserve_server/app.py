@@ -25,6 +25,8 @@ from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.protocol import open_inference_pb2
 from attnserve_server.security import ReloadingTLS, token_auth
 from attnserve_server.settings import ServerSettings
+from attnserve_server.tracing import Tracing
+from attnserve_server.tracing import from_environment as tracing_from_environment
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
@@ -61,13 +63,22 @@ class AttnServer:
         *,
         registry: CollectorRegistry | None = None,
         worker_factory: WorkerFactory = DeviceWorker,
+        tracer_provider: object | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
+        # Tracing from a provider given (tests), else from OTEL_* (the `otel` extra), else off.
+        self._owns_tracing = tracer_provider is None
+        self.tracing = Tracing(tracer_provider) if tracer_provider is not None else tracing_from_environment()
         self.models = {
             m.name: ServedModel(
-                m, self.metrics.for_model(m.name), worker_factory, settings.torch_threads, settings.max_message_bytes
+                m,
+                self.metrics.for_model(m.name),
+                worker_factory,
+                settings.torch_threads,
+                settings.max_message_bytes,
+                self.tracing,
             )
             for m in settings.models
         }
@@ -108,7 +119,7 @@ class AttnServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        dispatcher = Dispatcher(self.models, self.metrics.for_model(""))
+        dispatcher = Dispatcher(self.models, self.metrics.for_model(""), self.tracing)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
@@ -194,4 +205,6 @@ class AttnServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self.tracing is not None and self._owns_tracing:
+            self.tracing.shutdown()  # sends the spans still buffered
         self._stopped = True

@@ -106,6 +106,7 @@ class AttentionRequest:
     unbatched: bool  # the query came as [L, E]: answers drop the batch dim
     nbytes: int = 0  # the request's tensor bytes, as they wait in the queue
     memory_bytes: int = 0  # compute_bytes(): what computing it may take
+    trace: object = None  # its tracing span when tracing is on (tracing.py), for its batch's links
 
     @property
     def sequences(self) -> int:
@@ -136,6 +137,7 @@ class BatchReport:
     requests: int
     sequences: int
     tokens: int  # real query tokens
+    padded_tokens: int  # query tokens computed, padding included (sequences x longest query)
     padding_fraction: float  # share of padded query and key positions
 
 

@@ -17,6 +17,7 @@ from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSp
 from attnserve_server.errors import ModelNotReady
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.settings import ModelSettings
+from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ class ServedModel:
         worker_factory: WorkerFactory,
         torch_threads: int | None = None,
         max_message_bytes: int = 256 << 20,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing
         self.settings = settings
         self.spec = spec_from_settings(settings, max_message_bytes)
         self.metrics = metrics
@@ -98,18 +101,22 @@ class ServedModel:
     def _runner(self, worker: DeviceWorker):
         loop = asyncio.get_running_loop()
 
-        def counted(future: asyncio.Future) -> None:
+        def counted(future: asyncio.Future, batch: list[AttentionRequest]) -> None:
             if future.cancelled():
                 return
             if future.exception() is not None:
                 self.metrics.batch_failed(worker.name)
             elif answers := future.result():
-                self.metrics.batch_computed(worker.name, answers[0].batch)
+                report = answers[0].batch
+                self.metrics.batch_computed(worker.name, report)
+                if self._tracing is not None:
+                    spans = [r.trace for r in batch if r.trace is not None]
+                    self._tracing.batch_done(self.spec.name, worker.name, report, spans)
 
         def run(batch: list[AttentionRequest]) -> asyncio.Future[list[Answer]]:
             """Submits the batch to the worker's thread at once; the future holds its answers."""
             future = loop.run_in_executor(worker.executor, worker.run, batch)
-            future.add_done_callback(counted)
+            future.add_done_callback(lambda f: counted(f, batch))
             return future
 
         return run

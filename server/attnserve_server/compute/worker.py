@@ -133,6 +133,7 @@ class DeviceWorker:
             requests=len(requests),
             sequences=n,
             tokens=sum(r.sequences * r.query_len for r in requests),
+            padded_tokens=n * length,
             padding_fraction=1.0 - real / (n * (length + s)),
         )
         width = out_host.shape[-1]  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ place where an exception becomes a gRPC status for a unary call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -22,6 +23,7 @@ from attnserve_server.errors import ModelNotFound, ServingError, clip, status_of
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.model import ServedModel
 from attnserve_server.security import check_model_allowed
+from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -76,8 +78,11 @@ def unary_errors(handler):
 class Dispatcher:
     """An empty model name means the first configured model."""
 
-    def __init__(self, models: Mapping[str, ServedModel], unknown_model_metrics: ModelMetrics) -> None:
+    def __init__(
+        self, models: Mapping[str, ServedModel], unknown_model_metrics: ModelMetrics, tracing: Tracing | None = None
+    ) -> None:
         self.models = models
+        self.tracing = tracing
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
 
@@ -104,6 +109,7 @@ class Dispatcher:
         deadline: float | None,
         decode: Decode,
         encode: Encode[R],
+        context: grpc.aio.ServicerContext | None = None,
     ) -> R:
         """One request, start to end, with its metrics; raises ServingError (or anything unexpected).
 
@@ -117,12 +123,18 @@ class Dispatcher:
         metrics = served.metrics if served is not None else self._unknown
         metrics.request_started()
         code = grpc.StatusCode.OK
+        span = answer = None
+        if self.tracing is not None:
+            metadata = context.invocation_metadata() if context is not None else None
+            span = self.tracing.request_started(method, model or self.default, metadata)
         try:
             if served is None:
                 raise self._not_found(model)
             check_model_allowed(served.spec.name)
             served.check_admission()  # before the tensors are decoded: refusing must be cheap
             request, timeout_s = decode(served)
+            if span is not None:
+                request = dataclasses.replace(request, trace=span)
             # The RPC deadline cancels this call by itself; only a tighter timeout carried in the
             # request needs the batcher's timer.
             expire = False
@@ -139,6 +151,8 @@ class Dispatcher:
             raise
         finally:
             metrics.request_done(method, code, time.perf_counter() - received)
+            if span is not None:
+                self.tracing.request_done(span, code.name, received, answer.batch if answer is not None else None)  # type: ignore[union-attr]
 
 
 async def answer_concurrently(messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]]) -> AsyncIterator[R]:

@@ -102,7 +102,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
             return kserve.encode(served.spec, msg, decoded, answer, timing)
 
         deadline = self._dispatch.deadline(context)
-        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode)
+        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context)
 
     @unary_errors
     async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:

@@ -36,22 +36,23 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         return encode
 
-    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None) -> pb.AttendResponse:
-        return await self._dispatch.handle(
-            msg.model, method, deadline, lambda served: (request_from_proto(msg, served.spec), None), self._encode(msg)
-        )
+    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None, context) -> pb.AttendResponse:
+        def decode(served: ServedModel):
+            return request_from_proto(msg, served.spec), None
+
+        return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context)
 
     @unary_errors
     async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
-        return await self._answer(request, "Attend", self._dispatch.deadline(context))
+        return await self._answer(request, "Attend", self._dispatch.deadline(context), context)
 
-    async def _answer_in_band(self, msg: pb.AttendRequest | Undecodable, deadline: float | None, peer: str):
+    async def _answer_in_band(self, msg: pb.AttendRequest | Undecodable, deadline: float | None, context):
         if isinstance(msg, Undecodable):
-            note_undecodable(msg, peer, "AttendStream")
+            note_undecodable(msg, context.peer(), "AttendStream")
             status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=msg.status_message)
             return pb.AttendResponse(error=status)  # no request id to echo: the message did not parse
         try:
-            return await self._answer(msg, "AttendStream", deadline)
+            return await self._answer(msg, "AttendStream", deadline, context)
         except Exception as exc:
             code, message = caller_status(exc, "AttendStream")
             return pb.AttendResponse(
@@ -64,8 +65,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttendResponse]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
-        peer = context.peer()
-        answers = answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline, peer))
+        answers = answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline, context))
         async for response in answers:
             yield response
 
