@@ -233,3 +233,27 @@ def test_bench_measures_a_server_behind_tls_and_a_token(pki: Pki, tmp_path: Path
         row = lines[-1].split()
         assert header[-1] == "errors" and row[-1] == "0", r.stdout  # every call got through TLS and the token
         assert handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK") > 0
+
+
+def test_health_and_reflection_can_require_tokens_too(tmp_path: Path) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    served = settings(model(embed_dim=32, num_heads=4), auth_tokens=f"{token_hash('s3cret')} *", auth_open="")
+
+    def list_services(target: str, metadata=None) -> list[str]:
+        with grpc.insecure_channel(target) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            (answer,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10, metadata=metadata))
+            return [s.name for s in answer.list_services_response.service]
+
+    with running(served) as handle:
+        with Client(handle.target, timeout_s=5, retries=False) as c, pytest.raises(AttnServeError) as err:
+            c.health()
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(handle.target, timeout_s=5, token="s3cret") as c:
+            assert c.health() == "SERVING"
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            list_services(handle.target)
+        assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "attnserve.v1.AttentionService" in list_services(handle.target, (("authorization", "Bearer s3cret"),))

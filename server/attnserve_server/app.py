@@ -11,6 +11,9 @@ import grpc.aio
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+# The asyncio servicer enable_server_reflection() itself installs on an aio server; registered here
+# through add_service so that tokens can guard it (auth_open).
+from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import CollectorRegistry
 
 from attnserve.v1 import attention_pb2 as pb
@@ -126,9 +129,13 @@ class AttnServer:
         native = pb.DESCRIPTOR.services_by_name["AttentionService"]
         add_service(self._server, AttentionServicer(dispatcher), native, auth)
         add_service(self._server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        open_services = {name.strip() for name in s.auth_open.split(",")}
+        health_auth = None if "health" in open_services else auth
+        add_service(self._server, self._health, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
         services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(services, self._server, pool=_reflection_pool())
+        reflector = ReflectionServicer(services, pool=_reflection_pool())
+        reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+        add_service(self._server, reflector, reflection_service, None if "reflection" in open_services else auth)
         for name in ("", *_HEALTH_SERVICES, *self.models):
             await self._health.set(name, _NOT_SERVING)
         address = f"{s.host}:{s.port}"

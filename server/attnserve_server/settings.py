@@ -86,6 +86,8 @@ class ServerSettings:
     # Bearer tokens (README: Security): hashes in a file and/or inline; none set means no token needed.
     auth_tokens_file: str | None = None
     auth_tokens: str | None = None
+    # What stays open on the gRPC port while tokens are required: health (probes), reflection (grpcurl).
+    auth_open: str = "health,reflection"
     models: tuple[ModelSettings, ...] = (ModelSettings(),)
 
 
@@ -125,6 +127,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls-client-ca", "server", str, "PEM CA that client certificates must chain to: mTLS (default: none)"),
     Option("auth-tokens-file", "server", str, "file of token hashes and their models: bearer tokens required"),
     Option("auth-tokens", "server", str, "token hashes and their models inline, ';' between entries"),
+    Option(
+        "auth-open",
+        "server",
+        str,
+        "services open without a token when tokens are required: health, reflection, both (default), or ''",
+    ),
     Option("model-name", "model", str, "name of the model (default 'default')"),
     Option("kind", "model", str, "mha (learned projections) or sdpa (bare attention) (default mha)"),
     Option("embed-dim", "model", int, "embedding width E (default 256)"),
@@ -322,6 +330,8 @@ def validate(settings: ServerSettings) -> None:
         "tls_cert, tls_key: give both (TLS) or neither (plaintext)",
     )
     _check(settings.tls_client_ca is None or settings.tls_cert is not None, "tls_client_ca: needs tls_cert and tls_key")
+    unknown = sorted({s.strip() for s in settings.auth_open.split(",") if s.strip()} - {"health", "reflection"})
+    _check(not unknown, f"auth_open: expected health, reflection or both, got {unknown[0] if unknown else ''!r}")
     _check(
         (settings.metrics_tls_cert is None) == (settings.metrics_tls_key is None),
         "metrics_tls_cert, metrics_tls_key: give both (HTTPS) or neither (HTTP)",
