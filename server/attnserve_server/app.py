@@ -11,8 +11,6 @@ import grpc.aio
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
-# The asyncio servicer enable_server_reflection() itself installs on an aio server; registered here
-# through add_service so that tokens can guard it (auth_open).
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import CollectorRegistry
 
@@ -133,6 +131,8 @@ class AttnServer:
         health_auth = None if "health" in open_services else auth
         add_service(self._server, self._health, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
         services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        # The asyncio servicer that enable_server_reflection() installs on an aio server, registered
+        # through add_service instead, so that tokens can guard it too (auth_open).
         reflector = ReflectionServicer(services, pool=_reflection_pool())
         reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
         add_service(self._server, reflector, reflection_service, None if "reflection" in open_services else auth)
