@@ -68,3 +68,18 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
         torch.testing.assert_close(w1, w2, atol=1e-5, rtol=1e-5)
     else:
         assert w1 is None and w2 is None
+
+
+def test_a_small_cpu_batch_runs_on_one_thread_and_a_large_one_on_all() -> None:
+    # Waking torch's other OpenMP threads costs more than they save on tiny batches (worker.py).
+    w = worker(torch_threads=2)
+    try:
+        rng = np.random.default_rng(0)
+        # On the worker's own thread, as the server runs batches (OpenMP counts threads per thread).
+        w.executor.submit(w.run, [request(rng.standard_normal((1, 4, 16), dtype=np.float32))]).result()
+        assert w.executor.submit(torch.get_num_threads).result() == 1
+        large = [request(rng.standard_normal((64, 64, 16), dtype=np.float32))]  # 64 x 64 x 16 >= the threshold
+        w.executor.submit(w.run, large).result()
+        assert w.executor.submit(torch.get_num_threads).result() == 2
+    finally:
+        w.close()
