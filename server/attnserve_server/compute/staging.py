@@ -56,16 +56,9 @@ class Slab:
         self._pinned = pinned
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.numel()
-
-    def reserve(self, nbytes: int) -> None:
+    def take(self, nbytes: int) -> torch.Tensor:
         if nbytes > self._buffer.numel():
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        self.reserve(nbytes)
         return self._buffer[:nbytes]
 
 
@@ -128,25 +121,24 @@ class Stager:
             return tensors, None if mask is None else torch.from_numpy(mask)
         # CUDA: plan one slab, fill it with numpy, one host-to-device copy, views on the device.
         itemsize = self._storage.itemsize
-        layout: list[tuple[int, tuple[int, int, int]]] = []
+        layout: list[tuple[int, int, tuple[int, int, int]]] = []  # (offset, bytes, shape) per role
         offset = 0
         for parts, length in roles:
             shape = (sum(p.shape[0] for p in parts), length, parts[0].shape[2])
-            layout.append((offset, shape))
-            offset += -(-shape[0] * shape[1] * shape[2] * itemsize // _ALIGN) * _ALIGN
+            nbytes = shape[0] * shape[1] * shape[2] * itemsize
+            layout.append((offset, nbytes, shape))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
         mask_at = offset
         total = offset + (0 if mask is None else mask.size)
         host = self.slab.take(total)  # type: ignore[union-attr]
         host_np = host.numpy()
-        for (parts, _), (at, shape) in zip(roles, layout, strict=True):
-            nbytes = shape[0] * shape[1] * shape[2] * itemsize
+        for (parts, _), (at, nbytes, shape) in zip(roles, layout, strict=True):
             _fill(host_np[at : at + nbytes].view(self._storage).reshape(shape), parts, self._storage)
         if mask is not None:
             host_np[mask_at:total] = mask.reshape(-1).view(np.uint8)
         dev = host.to(self.device, non_blocking=True)
         tensors = []
-        for at, shape in layout:
-            nbytes = shape[0] * shape[1] * shape[2] * itemsize
+        for at, nbytes, shape in layout:
             tensors.append(dev[at : at + nbytes].view(self.dtype).view(shape))
         dev_mask = None if mask is None else dev[mask_at:total].view(torch.bool).view(mask.shape)
         return tensors, dev_mask

@@ -113,8 +113,8 @@ def add_service(
             continue
         if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
             behaviour = _unary(behaviour, method.name, auth)
-        elif method.client_streaming and method.server_streaming and inspect.isasyncgenfunction(behaviour):
-            behaviour = _streaming(behaviour, auth)
+        elif auth is not None and method.client_streaming and inspect.isasyncgenfunction(behaviour):
+            behaviour = _streaming(behaviour, auth)  # only for the token: streams answer undecodables in band
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=_parser(GetMessageClass(method.input_type)),
