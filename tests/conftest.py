@@ -92,7 +92,15 @@ def model(name: str = "default", **fields: Any) -> ModelSettings:
     return replace(ModelSettings(name=name, **fields), batching=BatchingSettings(**batching))
 
 
+# The gRPC front of every test server: in the test's process (1), or in N edge processes in front of it
+# (`ATTNSERVE_TEST_EDGES=2 ./dev test`; .ci/run runs the server suites both ways).
+TEST_EDGES = int(os.environ.get("ATTNSERVE_TEST_EDGES", "1"))
+if TEST_EDGES > 1:  # and every `attnserve serve` a test starts
+    os.environ.setdefault("ATTNSERVE_EDGE_PROCESSES", str(TEST_EDGES))
+
+
 def settings(*models: ModelSettings, **fields: Any) -> ServerSettings:
+    fields.setdefault("edge_processes", TEST_EDGES)
     return ServerSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=5.0, models=models or (model(),), **fields)
 
 

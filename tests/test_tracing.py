@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from attnserve import AttnServeError, Client
 from attnserve_server import tracing
+from attnserve_server.domain import BatchReport
 
 from conftest import model, running, settings
 
@@ -28,7 +29,9 @@ def spans():
 def test_requests_and_their_batch_are_traced_and_linked(spans) -> None:
     provider, exporter = spans
     # Two requests, one batch: it closes at two sequences, long before its minute of delay.
-    served = settings(model(embed_dim=32, num_heads=4, max_batch_size=2, max_queue_delay_ms=60_000))
+    # One process: with edge processes the request spans are the edges' (exported by their own OTLP
+    # exporter), out of this exporter's sight; the link across processes is tested below.
+    served = settings(model(embed_dim=32, num_heads=4, max_batch_size=2, max_queue_delay_ms=60_000), edge_processes=1)
     with running(served, tracer_provider=provider) as handle:
         client_tracer = provider.get_tracer("test-client")
         with (
@@ -71,7 +74,7 @@ def test_requests_and_their_batch_are_traced_and_linked(spans) -> None:
 
 def test_a_failed_request_has_an_error_span(spans) -> None:
     provider, exporter = spans
-    served = settings(model(embed_dim=32, num_heads=4))
+    served = settings(model(embed_dim=32, num_heads=4), edge_processes=1)  # see above
     with (
         running(served, tracer_provider=provider) as handle,
         Client(handle.target, timeout_s=10) as c,
@@ -90,3 +93,18 @@ def test_tracing_is_off_unless_the_environment_asks_for_it() -> None:
     assert tracing.wanted({"OTEL_TRACES_EXPORTER": "otlp"})
     with running(settings(model(embed_dim=32, num_heads=4))) as handle:
         assert handle.server.tracing is None  # the test environment sets no OTEL_* variable
+
+
+def test_a_batch_span_links_a_request_span_of_another_process(spans) -> None:
+    # With edge processes, a request's span is the edge's; its identity crosses to the engine as
+    # plain numbers, and the engine's batch span links to it.
+    provider, exporter = spans
+    t = tracing.Tracing(provider)
+    request_span = t.request_started("Attend", "default", None)
+    ids = t.context_of(request_span)
+    report = BatchReport(1.0, 0.001, 0.0001, 0.0008, 0.0001, 1, 1, 8, 8, 0.0)
+    t.batch_done("default", "cpu", report, [t.remote_span(ids)])
+    (batch,) = [s for s in exporter.get_finished_spans() if s.name == "attnserve batch"]
+    (linked,) = batch.links
+    assert (linked.context.trace_id, linked.context.span_id) == ids[:2]
+    assert linked.context.trace_id == request_span.get_span_context().trace_id

@@ -74,6 +74,9 @@ def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, ob
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1 if retries else 0),
         ("grpc.http2.lookahead_bytes", min(max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
+        # Each client its own connections: gRPC otherwise shares one per address among all channels
+        # of a process, and a server with edge processes spreads load by connection.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     if retries:

@@ -1,4 +1,5 @@
-"""The composition root: settings -> metrics, models, gRPC server, health, reflection."""
+"""The composition root: settings -> metrics, models, the gRPC front (in this process, or in edge
+processes in front of it), health and the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -6,56 +7,31 @@ import asyncio
 import logging
 import ssl
 
-import grpc
 import grpc.aio
-from google.protobuf import descriptor_pool
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
-from grpc_reflection.v1alpha._async import ReflectionServicer
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.edge import kserve_servicer
-from attnserve_server.edge.dispatch import Dispatcher
-from attnserve_server.edge.registration import add_service
-from attnserve_server.edge.servicer import AttentionServicer
+from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
-from attnserve_server.protocol import open_inference_pb2
-from attnserve_server.security import ReloadingTLS, token_auth
+from attnserve_server.multiprocess.supervisor import EdgeSupervisor
 from attnserve_server.settings import ServerSettings
 from attnserve_server.tracing import Tracing
 from attnserve_server.tracing import from_environment as tracing_from_environment
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
-_HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-# HTTP/2 lets a peer send this much on a stream before the receiver acknowledges it: with gRPC's
-# default (64 KiB) a megabyte request takes several round trips (measured: 1 MiB each way, 12.7 ms at
-# the default, 8.6 ms at 16 MiB). The client sets the same for its answers.
-STREAM_LOOKAHEAD_BYTES = 16 * 1024 * 1024
-# After the models have drained, how long late calls are still answered UNAVAILABLE before gRPC stops.
-SHUTDOWN_LINGER_S = 0.25
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def _reflection_pool() -> descriptor_pool.DescriptorPool:
-    """One pool holding every service served: the KServe v2 messages live in a private pool of
-    their own (see scripts/gen_proto.sh), so reflection gets a pool built from each file."""
-    pool = descriptor_pool.DescriptorPool()
-    for module in (pb, open_inference_pb2, health_pb2, reflection_pb2):
-        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
-    return pool
 
 
 class AttnServer:
-    """One attnserve process. `await start()` returns once every model is warm and serving.
+    """One attnserve server. `await start()` returns once every model is warm and serving.
 
-    Health: "" (the server), each service's name, and each model's name. They report
-    NOT_SERVING while models load and from the moment shutdown begins.
+    With `edge_processes` 1 the gRPC front runs on this process's event loop; with N > 1 this is
+    the engine process and N edge processes serve the port (multiprocess/). Health: "" (the
+    server), each service's name, and each model's name. They report NOT_SERVING while models load
+    and from the moment shutdown begins. `failed` is set if an edge process dies: the caller stops
+    the server and exits non-zero.
     """
 
     def __init__(
@@ -86,18 +62,20 @@ class AttnServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
+        self._front: GrpcFront | None = None
+        self.edges: EdgeSupervisor | None = None  # with edge_processes > 1
         self._metrics_http = None
         self._stopped = False
-        self._tls: ReloadingTLS | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
+        self.failed = asyncio.Event()
 
     def reload_tls(self) -> None:
         """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
-        if self._tls is not None:
-            self._tls.reload()
-            log.info("TLS certificate files will be read again at the next handshake")
+        if self._front is not None:
+            self._front.reload_tls()
+        if self.edges is not None:
+            self.edges.reload_tls()
 
     async def start(self) -> None:
         try:
@@ -109,47 +87,15 @@ class AttnServer:
 
     async def _start(self) -> None:
         s = self.settings
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", s.max_message_bytes),
-                ("grpc.max_receive_message_length", s.max_message_bytes),
-                # Large requests arrive without waiting on 64 KiB flow-control windows.
-                ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
-                # gRPC shares a port with any process by default: a second server on a taken port
-                # would start and silently take part of the traffic. Off, it fails to bind.
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        dispatcher = Dispatcher(self.models, self.metrics.for_model(""), self.tracing)
-        # Tokens guard both APIs; health and reflection are registered apart and stay open, so
-        # orchestrators' probes and grpcurl's listing work without one (README: Security).
-        auth = token_auth(s.auth_tokens_file, s.auth_tokens)
-        native = pb.DESCRIPTOR.services_by_name["AttentionService"]
-        add_service(self._server, AttentionServicer(dispatcher), native, auth)
-        add_service(self._server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth)
-        open_services = {name.strip() for name in s.auth_open.split(",")}
-        health_auth = None if "health" in open_services else auth
-        add_service(self._server, self._health, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
-        services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        # The asyncio servicer that enable_server_reflection() installs on an aio server, registered
-        # through add_service instead, so that tokens can guard it too (auth_open).
-        reflector = ReflectionServicer(services, pool=_reflection_pool())
-        reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
-        add_service(self._server, reflector, reflection_service, None if "reflection" in open_services else auth)
-        for name in ("", *_HEALTH_SERVICES, *self.models):
-            await self._health.set(name, _NOT_SERVING)
-        address = f"{s.host}:{s.port}"
-        try:
-            if s.tls_cert is not None and s.tls_key is not None:
-                self._tls = ReloadingTLS(s.tls_cert, s.tls_key, s.tls_client_ca)
-                self.port = self._server.add_secure_port(address, self._tls.credentials)
-            else:
-                self.port = self._server.add_insecure_port(address)
-        except RuntimeError:
-            self.port = 0
-        if self.port == 0:
-            raise PortUnavailable(f"gRPC port {s.host}:{s.port}: cannot bind (in use, or not an address of this host)")
-        await self._server.start()
+        await set_health(self._health, tuple(self.models), NOT_SERVING)
+        if s.edge_processes == 1:
+            # The port answers (NOT_SERVING) while the models load.
+            self._front = GrpcFront(s, self.models, self.metrics.for_model(""), self._health, self.tracing)
+            self.port = await self._front.start()
+        else:
+            # The port is claimed now; the edges serve it once the models are ready.
+            self.edges = EdgeSupervisor(s, self.models, self.tracing, self.failed)
+            self.port = self.edges.reserve()
         if s.health_port >= 0:
             # Kubernetes' gRPC probe speaks no TLS: with TLS on, probes ask this plaintext port, which
             # serves the same health statuses and nothing else.
@@ -176,10 +122,14 @@ class AttnServer:
         # Health answers (NOT_SERVING) while the models load and warm up.
         for served in self.models.values():
             await served.load()
-            await self._health.set(served.spec.name, _SERVING)
+            await self._health.set(served.spec.name, SERVING)
         self.metrics.watch_cuda_memory(sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}))
-        for name in ("", *_HEALTH_SERVICES):
-            await self._health.set(name, _SERVING)
+        if self.edges is not None:
+            # The edges start once the models are ready: each learns of them as they will serve.
+            await self.edges.start()
+            self.metrics.add_remote(self.edges.snapshots)
+            self.edges.set_state(serving=True)
+        await set_health(self._health, (), SERVING)
         log.info("attnserve serving %s on port %d", ", ".join(self.models), self.port)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -194,12 +144,17 @@ class AttnServer:
         #    a late call is answered UNAVAILABLE by the edge, which clients retry. gRPC's own stop
         #    would cancel the calls it has accepted but not yet handed to a handler: CANCELLED, which
         #    no client retries (grpc/grpc#41785).
+        #    With edge processes, each edge reports NOT_SERVING and forwards late calls, which the
+        #    draining models refuse.
+        if self.edges is not None:
+            self.edges.set_state(serving=False)
         results = await asyncio.gather(*(m.drain(grace) for m in self.models.values()), return_exceptions=True)
-        if self._server is not None:
-            # 2. A moment more of UNAVAILABLE answers for calls already on their way, then gRPC stops:
-            #    the answers in flight go out within what is left of the grace period.
-            await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
-            results.append(await self._server.stop(max(0.0, deadline - loop.time())))
+        # 2. A moment more of UNAVAILABLE answers for calls already on their way, then gRPC stops:
+        #    the answers in flight go out within what is left of the grace period.
+        if self._front is not None:
+            results.append(await self._front.stop(deadline))
+        if self.edges is not None:
+            results.append(await self.edges.stop(deadline))
         for result in results:
             if result is False:
                 log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)

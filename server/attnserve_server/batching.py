@@ -38,6 +38,28 @@ class BatchLimits:
     max_batch_memory_bytes: int = 1 << 62  # the sum of a batch's items' memory estimates
 
 
+# A call the caller cancels this close to its deadline is counted as expired, not cancelled: the
+# caller's deadline is ours less the time its request took to arrive, and a client gives up at its
+# own (its cancellation then reaches us a moment before our deadline).
+DEADLINE_SLACK_S = 0.01
+
+
+def refusal(limits: BatchLimits, depth: int, queued_bytes: int, closing: bool) -> tuple[str, ServingError] | None:
+    """Why a new item would be refused with this queue (the drop reason and the error), or None."""
+    if closing:
+        return "shutting_down", ShuttingDown("the server is shutting down and takes no new requests")
+    if depth >= limits.max_queue_size:
+        return "queue_full", QueueFull(
+            f"the model's queue is full ({limits.max_queue_size} requests waiting); retry later"
+        )
+    if queued_bytes >= limits.max_queue_bytes:
+        return "queue_full", QueueFull(
+            f"the model's queue is full ({queued_bytes} bytes of requests waiting, max_queue_bytes "
+            f"{limits.max_queue_bytes}); retry later"
+        )
+    return None
+
+
 class BatchObserver(Protocol):
     """What the batcher reports (metrics implement it)."""
 
@@ -91,6 +113,7 @@ class Batcher(Generic[T, R]):
         self._changed = asyncio.Event()  # set whenever depth or running batches change
         self._loop_task: asyncio.Task | None = None
         self._broken: ServingError | None = None
+        self._listeners: list[Callable[[int, int, bool], None]] = []
 
     @property
     def depth(self) -> int:
@@ -152,7 +175,7 @@ class Batcher(Generic[T, R]):
             # The caller went away (cancelled, or its deadline passed): drop it before compute.
             if entry.queued:
                 self._remove(entry)
-                expired = deadline is not None and loop.time() >= deadline
+                expired = deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S
                 self._observer.dropped("deadline_exceeded" if expired else "cancelled")
             raise
         finally:
@@ -164,23 +187,23 @@ class Batcher(Generic[T, R]):
         the drop: the edge asks before it decodes a request, so shedding at overload costs microseconds."""
         if self._broken is not None:
             raise self._broken
-        if self._closing:
-            self._observer.dropped("shutting_down")
-            raise ShuttingDown("the server is shutting down and takes no new requests")
-        if self._depth >= self._limits.max_queue_size:
-            self._observer.dropped("queue_full")
-            raise QueueFull(f"the model's queue is full ({self._limits.max_queue_size} requests waiting); retry later")
-        if self._queued_bytes >= self._limits.max_queue_bytes:
-            self._observer.dropped("queue_full")
-            raise QueueFull(
-                f"the model's queue is full ({self._queued_bytes} bytes of requests waiting, max_queue_bytes "
-                f"{self._limits.max_queue_bytes}); retry later"
-            )
+        refused = refusal(self._limits, self._depth, self._queued_bytes, self._closing)
+        if refused is not None:
+            self._observer.dropped(refused[0])
+            raise refused[1]
+
+    def watch(self, listener: Callable[[int, int, bool], None]) -> None:
+        """Calls `listener(depth, queued bytes, closing)` now and after every change of them: an
+        engine publishes them to its edge processes, which then refuse as `check_admission` would."""
+        self._listeners.append(listener)
+        listener(self._depth, self._queued_bytes, self._closing)
 
     def _set_depth(self, depth: int) -> None:
         self._depth = depth
         self._observer.queue_depth(depth)
         self._changed.set()
+        for listener in self._listeners:
+            listener(depth, self._queued_bytes, self._closing)
 
     def _remove(self, entry: _Entry[T]) -> None:
         group = self._groups[entry.group]
@@ -241,14 +264,14 @@ class Batcher(Generic[T, R]):
             if count:
                 # Depth first: if reporting it fails, the loop dies with the entries still
                 # queued, and _loop_ended fails them instead of losing them.
-                self._set_depth(self._depth - count)
                 group = self._groups[head.group]
+                self._queued_bytes -= sum(group[i].nbytes for i in range(count))
+                self._set_depth(self._depth - count)
                 batch = [group.popleft() for _ in range(count)]
                 if not group:
                     del self._groups[head.group]
                 for entry in batch:
                     entry.queued = False
-                    self._queued_bytes -= entry.nbytes
                 return batch
 
     async def _loop(self) -> None:
@@ -323,6 +346,7 @@ class Batcher(Generic[T, R]):
         """
         self._closing = True
         self._arrived.set()
+        self._set_depth(self._depth)  # tells the listeners
 
         async def settled() -> None:
             # _running still holds a task until just after its done-callback runs.

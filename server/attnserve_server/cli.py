@@ -128,10 +128,14 @@ async def _serve(settings: Any) -> int:
         f"attnserve ready grpc={settings.host}:{server.port} metrics={metrics} models={','.join(server.models)}",
         flush=True,
     )
-    await stop.wait()
+    signalled = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(server.failed.wait())
+    await asyncio.wait((signalled, failed), return_when=asyncio.FIRST_COMPLETED)
     logging.getLogger("attnserve").info("shutting down: finishing accepted requests (grace %.1fs)", settings.grace_s)
     await server.stop()
-    return 0
+    signalled.cancel()
+    failed.cancel()
+    return 1 if server.failed.is_set() else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

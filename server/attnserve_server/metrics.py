@@ -8,7 +8,7 @@ import ssl
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -59,7 +59,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._models: list[ModelMetrics] = []
-        registry.register(_RequestPathCollector(self._models))
+        self._remote: list[Callable[[], list[RequestPathSnapshot]]] = []
+        registry.register(_RequestPathCollector(self._models, self._remote))
         self.compute_duration = Histogram(
             "attnserve_compute_duration_seconds",
             "Time a device worker spent on one batch, copies included.",
@@ -107,12 +108,6 @@ class Metrics:
             ["model", "device"],
             registry=registry,
         )
-        self.dropped = Counter(
-            "attnserve_dropped_requests",
-            "Requests accepted or refused without being computed, by reason.",
-            ["model", "reason"],
-            registry=registry,
-        )
         self.queue_capacity = Gauge(
             "attnserve_queue_capacity",
             "The most requests the model's queue holds (max_queue_size); more are refused.",
@@ -130,6 +125,14 @@ class Metrics:
         model_metrics = ModelMetrics(self, model)
         self._models.append(model_metrics)
         return model_metrics
+
+    def snapshot(self) -> list[RequestPathSnapshot]:
+        """The request path's numbers now, model by model (an edge process sends them to its engine)."""
+        return [m.snapshot() for m in list(self._models)]
+
+    def add_remote(self, source: Callable[[], list[RequestPathSnapshot]]) -> None:
+        """Request-path numbers counted in other processes (the edges), summed into every scrape."""
+        self._remote.append(source)
 
     def watch_cuda_memory(self, devices: list[str]) -> None:
         if devices:
@@ -223,15 +226,13 @@ class ModelMetrics:
         self._batch_padding = metrics.batch_padding.labels(model)
         self._tokens = metrics.tokens.labels(model)
         self.stats = InferenceStats()
-        self._dropped = {reason: metrics.dropped.labels(model, reason) for reason in DROP_REASONS}
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
         self.inflight = 0
         self.depth = 0
         self.requests: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
         self.durations: dict[str, FastHistogram] = {}  # method -> receipt-to-response seconds
         self.queue_wait = FastHistogram(LATENCY_BUCKETS_S)
-        for child in self._dropped.values():
-            child.inc(0)
+        self.drops = dict.fromkeys(DROP_REASONS, 0)  # reason -> requests refused or dropped
 
     def describe(self, queue_capacity: int, **info: str) -> None:
         self._metrics.model_info.labels(self.model).info(info)
@@ -242,7 +243,7 @@ class ModelMetrics:
         self.depth = depth
 
     def dropped(self, reason: str) -> None:
-        self._dropped[reason].inc()
+        self.drops[reason] += 1
 
     def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
         self._batch_requests.observe(requests)
@@ -273,6 +274,21 @@ class ModelMetrics:
     def request_started(self) -> None:
         self.inflight += 1
 
+    def snapshot(self) -> RequestPathSnapshot:
+        durations = {method: (list(h.counts), h.sum) for method, h in list(self.durations.items())}
+        stats = self.stats
+        return RequestPathSnapshot(
+            self.model,
+            self.inflight,
+            self.depth,
+            dict(self.requests),
+            durations,
+            (list(self.queue_wait.counts), self.queue_wait.sum),
+            Duration(stats.success.count, stats.success.ns),
+            Duration(stats.fail.count, stats.fail.ns),
+            dict(self.drops),
+        )
+
     def request_done(self, method: str, code: grpc.StatusCode, duration_s: float) -> None:
         self.inflight -= 1
         key = (method, code.name)
@@ -282,6 +298,60 @@ class ModelMetrics:
             histogram = self.durations[method] = FastHistogram(LATENCY_BUCKETS_S)
         histogram.observe(duration_s)
         (self.stats.success if code is grpc.StatusCode.OK else self.stats.fail).add(duration_s)
+
+
+@dataclass
+class RequestPathSnapshot:
+    """One model's request-path numbers in one process, as plain data: what crosses from an edge
+    process to its engine, and what scrapes and KServe statistics sum over every process."""
+
+    model: str
+    inflight: int
+    depth: int
+    requests: dict[tuple[str, str], int]  # (method, status code name) -> count
+    durations: dict[str, tuple[list[int], float]]  # method -> (bucket counts, sum)
+    queue_wait: tuple[list[int], float]
+    success: Duration
+    fail: Duration
+    drops: dict[str, int]  # reason -> count
+
+    def add(self, other: RequestPathSnapshot) -> None:
+        self.inflight += other.inflight
+        self.depth += other.depth
+        for key, n in other.requests.items():
+            self.requests[key] = self.requests.get(key, 0) + n
+        for method, histogram in other.durations.items():
+            mine = self.durations.get(method)
+            self.durations[method] = histogram if mine is None else _sum_histograms(mine, histogram)
+        self.queue_wait = _sum_histograms(self.queue_wait, other.queue_wait)
+        self.success = Duration(self.success.count + other.success.count, self.success.ns + other.success.ns)
+        self.fail = Duration(self.fail.count + other.fail.count, self.fail.ns + other.fail.ns)
+        for reason, n in other.drops.items():
+            self.drops[reason] = self.drops.get(reason, 0) + n
+
+
+def _sum_histograms(a: tuple[list[int], float], b: tuple[list[int], float]) -> tuple[list[int], float]:
+    return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
+
+
+def merge_snapshots(snapshots: Iterable[RequestPathSnapshot]) -> dict[str, RequestPathSnapshot]:
+    """Sums snapshots model by model, in the order models first appear."""
+    merged: dict[str, RequestPathSnapshot] = {}
+    for snap in snapshots:
+        mine = merged.get(snap.model)
+        if mine is None:
+            empty = ([0] * len(snap.queue_wait[0]), 0.0)
+            merged[snap.model] = mine = RequestPathSnapshot(snap.model, 0, 0, {}, {}, empty, Duration(), Duration(), {})
+        mine.add(snap)
+    return merged
+
+
+def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    total, out = 0, []
+    for bound, n in zip((*bounds, math.inf), counts, strict=True):
+        total += n
+        out.append((floatToGoString(bound), total))
+    return out
 
 
 class MetricsHTTPServer(ThreadingWSGIServer):
@@ -312,19 +382,16 @@ class FastHistogram:
         self.sum += value
 
     def buckets(self) -> list[tuple[str, int]]:
-        counts = list(self.counts)
-        total, out = 0, []
-        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
-            total += n
-            out.append((floatToGoString(bound), total))
-        return out
+        return _cumulative(self.bounds, list(self.counts))
 
 
 class _RequestPathCollector(Collector):
-    """Exports the request path's plain-number series of every model at scrape time."""
+    """Exports the request path's plain-number series of every model at scrape time, summed over
+    this process and any remote sources (edge processes)."""
 
-    def __init__(self, models: list[ModelMetrics]) -> None:
+    def __init__(self, models: list[ModelMetrics], remote: list[Callable[[], list[RequestPathSnapshot]]]) -> None:
         self._models = models
+        self._remote = remote
 
     def collect(self) -> Iterator[Any]:
         requests = CounterMetricFamily(
@@ -343,16 +410,26 @@ class _RequestPathCollector(Collector):
         inflight = GaugeMetricFamily(
             "attnserve_inflight_requests", "Requests being handled: received and not yet answered.", labels=["model"]
         )
-        for m in list(self._models):
-            for (method, code), n in list(m.requests.items()):
+        dropped = CounterMetricFamily(
+            "attnserve_dropped_requests", "Requests accepted or refused without being computed, by reason.",
+            labels=["model", "reason"],
+        )  # fmt: skip
+        snapshots = [m.snapshot() for m in list(self._models)]
+        for source in self._remote:
+            snapshots.extend(source())
+        for m in merge_snapshots(snapshots).values():
+            for (method, code), n in m.requests.items():
                 requests.add_metric([m.model, method, code], n)
-            for method, histogram in list(m.durations.items()):
-                duration.add_metric([m.model, method], histogram.buckets(), histogram.sum)
+            for method, (counts, total) in m.durations.items():
+                duration.add_metric([m.model, method], _cumulative(LATENCY_BUCKETS_S, counts), total)
             if m.model:  # "" collects requests for unknown models: it has no queue
-                queue_wait.add_metric([m.model], m.queue_wait.buckets(), m.queue_wait.sum)
+                counts, total = m.queue_wait
+                queue_wait.add_metric([m.model], _cumulative(LATENCY_BUCKETS_S, counts), total)
                 depth.add_metric([m.model], m.depth)
+                for reason, n in m.drops.items():
+                    dropped.add_metric([m.model, reason], n)
             inflight.add_metric([m.model], m.inflight)
-        yield from (requests, duration, queue_wait, depth, inflight)
+        yield from (requests, duration, queue_wait, depth, inflight, dropped)
 
 
 class _CudaMemoryCollector(Collector):

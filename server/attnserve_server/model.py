@@ -15,7 +15,7 @@ from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.errors import ModelNotReady
-from attnserve_server.metrics import ModelMetrics
+from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.settings import ModelSettings
 from attnserve_server.tracing import Tracing
 
@@ -45,6 +45,18 @@ def spec_from_settings(settings: ModelSettings, max_message_bytes: int = 256 << 
     )
 
 
+def limits_from_settings(settings: ModelSettings) -> BatchLimits:
+    b = settings.batching
+    return BatchLimits(
+        b.max_batch_size,
+        b.max_batch_tokens,
+        b.max_queue_delay_ms / 1e3,
+        b.max_queue_size,
+        max_queue_bytes=b.max_queue_bytes,
+        max_batch_memory_bytes=b.max_batch_memory_bytes,
+    )
+
+
 class ServedModel:
     def __init__(
         self,
@@ -65,6 +77,7 @@ class ServedModel:
         self._torch_threads = torch_threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, Answer] | None = None
+        self.limits = limits_from_settings(settings)
 
     async def load(self) -> None:
         """Loads weights, builds one worker per device and warms each up, off the event loop."""
@@ -77,15 +90,7 @@ class ServedModel:
             self._workers.append(worker)
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
-        limits = BatchLimits(
-            b.max_batch_size,
-            b.max_batch_tokens,
-            b.max_queue_delay_ms / 1e3,
-            b.max_queue_size,
-            max_queue_bytes=b.max_queue_bytes,
-            max_batch_memory_bytes=b.max_batch_memory_bytes,
-        )
-        self._batcher = Batcher([self._runner(w) for w in self._workers], limits, self.metrics)
+        self._batcher = Batcher([self._runner(w) for w in self._workers], self.limits, self.metrics)
         self._batcher.start()
         self.metrics.describe(
             queue_capacity=b.max_queue_size,
@@ -142,6 +147,15 @@ class ServedModel:
             nbytes=request.nbytes,
             memory=request.memory_bytes,
         )
+
+    def watch_queue(self, listener: Callable[[int, int, bool], None]) -> None:
+        """`listener(depth, queued bytes, closing)` now and at every change (see Batcher.watch)."""
+        assert self._batcher is not None, "load() first"
+        self._batcher.watch(listener)
+
+    async def statistics(self) -> InferenceStats:
+        """Totals since start, for KServe's ModelStatistics."""
+        return self.metrics.stats
 
     async def drain(self, timeout_s: float) -> bool:
         self.ready = False

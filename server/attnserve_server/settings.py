@@ -88,6 +88,10 @@ class ServerSettings:
     auth_tokens: str | None = None
     # What stays open on the gRPC port while tokens are required: health (probes), reflection (grpcurl).
     auth_open: str = "health,reflection"
+    # gRPC edge processes on the one port in front of the engine process (README: Edge processes);
+    # 1 serves gRPC in the engine's own process.
+    edge_processes: int = 1
+    edge_arena_bytes: int = 64 * 1024 * 1024  # shared memory per edge for requests' tensors in flight
     models: tuple[ModelSettings, ...] = (ModelSettings(),)
 
 
@@ -133,6 +137,13 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "services open without a token when tokens are required: health, reflection, both (default), or ''",
     ),
+    Option(
+        "edge-processes",
+        "server",
+        int,
+        "gRPC edge processes sharing the port in front of one engine process; 1: one process (default 1)",
+    ),
+    Option("edge-arena-bytes", "server", int, "shared memory per edge process for tensors in flight (default 64 MiB)"),
     Option("model-name", "model", str, "name of the model (default 'default')"),
     Option("kind", "model", str, "mha (learned projections) or sdpa (bare attention) (default mha)"),
     Option("embed-dim", "model", int, "embedding width E (default 256)"),
@@ -250,7 +261,14 @@ def _build(cls: Any, data: Any, where: str) -> Any:
 
 
 # ATTNSERVE_* variables that are not settings: the dev script's and the tests' own.
-_NOT_SETTINGS = {"ATTNSERVE_VENV", "ATTNSERVE_TORCH", "ATTNSERVE_TEST_DEVICE", "ATTNSERVE_ARGS", "ATTNSERVE_TOKEN"}
+_NOT_SETTINGS = {
+    "ATTNSERVE_VENV",
+    "ATTNSERVE_TORCH",
+    "ATTNSERVE_TEST_DEVICE",
+    "ATTNSERVE_TEST_EDGES",
+    "ATTNSERVE_ARGS",
+    "ATTNSERVE_TOKEN",
+}
 
 
 def misspelt_variables(env: Mapping[str, str]) -> list[str]:
@@ -343,6 +361,10 @@ def validate(settings: ServerSettings) -> None:
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(settings.edge_processes >= 1, f"edge_processes: expected >= 1, got {settings.edge_processes}")
+    _check(
+        settings.edge_arena_bytes >= 1 << 20, f"edge_arena_bytes: expected >= 1048576, got {settings.edge_arena_bytes}"
+    )
     _check(
         settings.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
         f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {settings.log_level!r}",

@@ -114,6 +114,18 @@ class Tracing:
         )
         span.end(end_time=epoch_ns(batch.started + batch.compute_s))
 
+    @staticmethod
+    def context_of(span: Any) -> tuple[int, int, int]:
+        """A span's identity as plain numbers, to cross to another process (edge -> engine)."""
+        context = span.get_span_context()
+        return context.trace_id, context.span_id, int(context.trace_flags)
+
+    def remote_span(self, ids: tuple[int, int, int]) -> Any:
+        """A stand-in for a span of another process, for a batch span's links."""
+        trace_id, span_id, flags = ids
+        context = self._trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=self._trace.TraceFlags(flags))
+        return self._trace.NonRecordingSpan(context)
+
     def shutdown(self) -> None:
         shutdown = getattr(self._provider, "shutdown", None)
         if shutdown is not None:

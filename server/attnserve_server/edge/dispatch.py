@@ -14,25 +14,49 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
 
-from attnserve_server.domain import Answer, AttentionRequest
+from attnserve_server.batching import DEADLINE_SLACK_S
+from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
 from attnserve_server.errors import ModelNotFound, ServingError, clip, status_of
-from attnserve_server.metrics import ModelMetrics
-from attnserve_server.model import ServedModel
+from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.security import check_model_allowed
+from attnserve_server.settings import ModelSettings
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 R = TypeVar("R")
 _END = object()
+
+
+class Servable(Protocol):
+    """What the edge needs of a model: `model.ServedModel` in a single-process server, and
+    `multiprocess.edge_process.RemoteModel` (the engine's model, over the link) in an edge process."""
+
+    spec: ModelSpec
+    settings: ModelSettings
+    devices: list[str]
+    metrics: ModelMetrics  # the request path's series, counted where the request is handled
+
+    @property
+    def ready(self) -> bool: ...
+
+    def check_admission(self) -> None: ...
+
+    async def submit(
+        self, request: AttentionRequest, deadline: float | None = None, *, expire: bool = True
+    ) -> Answer: ...
+
+    async def statistics(self) -> InferenceStats: ...
+
+
 # the model -> (the validated request, a timeout in seconds the request itself carries, or None)
-Decode = Callable[[ServedModel], tuple[AttentionRequest, float | None]]
+Decode = Callable[[Servable], tuple[AttentionRequest, float | None]]
 # (the model, the request, its answer, perf_counter() at receipt) -> the edge's response
-Encode = Callable[[ServedModel, AttentionRequest, Answer, float], R]
+Encode = Callable[[Servable, AttentionRequest, Answer, float], R]
 
 
 class Timing(NamedTuple):
@@ -79,14 +103,14 @@ class Dispatcher:
     """An empty model name means the first configured model."""
 
     def __init__(
-        self, models: Mapping[str, ServedModel], unknown_model_metrics: ModelMetrics, tracing: Tracing | None = None
+        self, models: Mapping[str, Servable], unknown_model_metrics: ModelMetrics, tracing: Tracing | None = None
     ) -> None:
         self.models = models
         self.tracing = tracing
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
 
-    def model(self, name: str) -> ServedModel:
+    def model(self, name: str) -> Servable:
         served = self.models.get(name or self.default)
         if served is None:
             raise self._not_found(name)
@@ -143,7 +167,7 @@ class Dispatcher:
             answer = await served.submit(request, deadline, expire=expire)
             return encode(served, request, answer, received)
         except asyncio.CancelledError:
-            expired = deadline is not None and loop.time() >= deadline
+            expired = deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except BaseException as exc:

@@ -13,9 +13,15 @@ import grpc
 
 from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge import kserve
-from attnserve_server.edge.dispatch import Dispatcher, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.edge.dispatch import (
+    Dispatcher,
+    Servable,
+    Timing,
+    answer_concurrently,
+    caller_status,
+    unary_errors,
+)
 from attnserve_server.edge.registration import Undecodable, note_undecodable
-from attnserve_server.model import ServedModel
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -36,7 +42,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         self._dispatch = dispatcher
         self._version = _server_version()
 
-    def _model(self, name: str, version: str) -> ServedModel:
+    def _model(self, name: str, version: str) -> Servable:
         served = self._dispatch.model(name)
         kserve.check_version(served.spec, version)
         return served
@@ -69,7 +75,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(self, request: v2.ModelStatisticsRequest, context) -> v2.ModelStatisticsResponse:
         models = [self._model(request.name, request.version)] if request.name else list(self._dispatch.models.values())
         return v2.ModelStatisticsResponse(
-            model_stats=[kserve.model_statistics(m.spec, m.metrics.stats) for m in models]
+            model_stats=[kserve.model_statistics(m.spec, await m.statistics()) for m in models]
         )
 
     async def RepositoryIndex(self, request: v2.RepositoryIndexRequest, context) -> v2.RepositoryIndexResponse:
@@ -85,12 +91,12 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse:
         decoded: kserve.Decoded | None = None
 
-        def decode(served: ServedModel) -> tuple[AttentionRequest, float | None]:
+        def decode(served: Servable) -> tuple[AttentionRequest, float | None]:
             nonlocal decoded
             decoded = kserve.decode(msg, served.spec)
             return decoded.request, decoded.timeout_s
 
-        def encode(served: ServedModel, request: AttentionRequest, answer: Answer, received: float):
+        def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float):
             queue_ns, compute_ns, _ = Timing.of(answer, received)
             timing = {
                 "queue_ns": queue_ns,

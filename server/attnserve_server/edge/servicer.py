@@ -10,9 +10,16 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.domain import Answer, AttentionRequest
 from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
-from attnserve_server.edge.dispatch import Dispatcher, Encode, Timing, answer_concurrently, caller_status, unary_errors
+from attnserve_server.edge.dispatch import (
+    Dispatcher,
+    Encode,
+    Servable,
+    Timing,
+    answer_concurrently,
+    caller_status,
+    unary_errors,
+)
 from attnserve_server.edge.registration import Undecodable, note_undecodable
-from attnserve_server.model import ServedModel
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
@@ -23,9 +30,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     @staticmethod
     def _encode(msg: pb.AttendRequest) -> Encode[pb.AttendResponse]:
-        def encode(
-            served: ServedModel, request: AttentionRequest, answer: Answer, received: float
-        ) -> pb.AttendResponse:
+        def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float) -> pb.AttendResponse:
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
             fill_response(response, served.spec, request, answer)
             queue_ns, compute_ns, server_ns = Timing.of(answer, received)
@@ -37,7 +42,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return encode
 
     async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None, context) -> pb.AttendResponse:
-        def decode(served: ServedModel):
+        def decode(served: Servable):
             return request_from_proto(msg, served.spec), None
 
         return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context)
@@ -79,5 +84,5 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return self._metadata(self._dispatch.model(request.model))
 
     @staticmethod
-    def _metadata(served: ServedModel) -> pb.ModelMetadata:
+    def _metadata(served: Servable) -> pb.ModelMetadata:
         return model_metadata(served.spec, served.settings.batching, served.devices, served.ready)

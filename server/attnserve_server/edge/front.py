@@ -1,0 +1,141 @@
+"""The gRPC front: one grpc.aio server with every service attnserve answers on its port.
+
+Built the same way in a single-process server (over the models themselves) and in each edge
+process (over `multiprocess.edge_process.RemoteModel`s): the native API, KServe v2, health and
+reflection, each behind the bearer-token check where configured. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import grpc
+import grpc.aio
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
+
+from attnserve.v1 import attention_pb2 as pb
+from attnserve_server.edge import kserve_servicer
+from attnserve_server.edge.dispatch import Dispatcher, Servable
+from attnserve_server.edge.registration import add_service
+from attnserve_server.edge.servicer import AttentionServicer
+from attnserve_server.errors import PortUnavailable
+from attnserve_server.metrics import ModelMetrics
+from attnserve_server.protocol import open_inference_pb2
+from attnserve_server.security import ReloadingTLS, token_auth
+from attnserve_server.settings import ServerSettings
+from attnserve_server.tracing import Tracing
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
+# Health names besides "" and the models': each API's service name.
+HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# HTTP/2 lets a peer send this much on a stream before the receiver acknowledges it: with gRPC's
+# default (64 KiB) a megabyte request takes several round trips (measured: 1 MiB each way, 12.7 ms at
+# the default, 8.6 ms at 16 MiB). The client sets the same for its answers.
+STREAM_LOOKAHEAD_BYTES = 16 * 1024 * 1024
+# After the models have drained, how long late calls are still answered UNAVAILABLE before gRPC stops.
+SHUTDOWN_LINGER_S = 0.25
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """One pool holding every service served: the KServe v2 messages live in a private pool of
+    their own (see scripts/gen_proto.sh), so reflection gets a pool built from each file."""
+    pool = descriptor_pool.DescriptorPool()
+    for module in (pb, open_inference_pb2, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
+
+
+async def set_health(servicer: health.aio.HealthServicer, names: tuple[str, ...], status: int) -> None:
+    for name in ("", *HEALTH_SERVICES, *names):
+        await servicer.set(name, status)
+
+
+class GrpcFront:
+    """The port's gRPC server over `models`. `share_port`: several edge processes bind one port
+    (SO_REUSEPORT, which the engine reserved for them); otherwise a taken port fails to bind."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        models: Mapping[str, Servable],
+        unknown_model_metrics: ModelMetrics,
+        health_servicer: health.aio.HealthServicer,
+        tracing: Tracing | None = None,
+        *,
+        port: int | None = None,
+        share_port: bool = False,
+    ) -> None:
+        s = settings
+        self._settings = settings
+        self._port = s.port if port is None else port
+        self._tls: ReloadingTLS | None = None
+        self.port: int | None = None
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", s.max_message_bytes),
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+                # Large requests arrive without waiting on 64 KiB flow-control windows.
+                ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
+                # gRPC shares a port with any process by default: a second server on a taken port
+                # would start and silently take part of the traffic. Off, it fails to bind; on only
+                # for the edge processes of one server, on the port their engine reserved.
+                ("grpc.so_reuseport", 1 if share_port else 0),
+            ]
+        )
+        dispatcher = Dispatcher(models, unknown_model_metrics, tracing)
+        # Tokens guard both APIs; health and reflection are registered apart and stay open, so
+        # orchestrators' probes and grpcurl's listing work without one (README: Security).
+        auth = token_auth(s.auth_tokens_file, s.auth_tokens)
+        native = pb.DESCRIPTOR.services_by_name["AttentionService"]
+        add_service(self.server, AttentionServicer(dispatcher), native, auth)
+        add_service(self.server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth)
+        open_services = {name.strip() for name in s.auth_open.split(",")}
+        health_auth = None if "health" in open_services else auth
+        add_service(self.server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
+        services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        # The asyncio servicer that enable_server_reflection() installs on an aio server, registered
+        # through add_service instead, so that tokens can guard it too (auth_open).
+        reflector = ReflectionServicer(services, pool=_reflection_pool())
+        reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+        add_service(self.server, reflector, reflection_service, None if "reflection" in open_services else auth)
+
+    def reload_tls(self) -> None:
+        """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
+        if self._tls is not None:
+            self._tls.reload()
+            log.info("TLS certificate files will be read again at the next handshake")
+
+    async def start(self) -> int:
+        """Binds the port and starts serving; returns the port (PortUnavailable if it cannot bind)."""
+        s = self._settings
+        address = f"{s.host}:{self._port}"
+        try:
+            if s.tls_cert is not None and s.tls_key is not None:
+                self._tls = ReloadingTLS(s.tls_cert, s.tls_key, s.tls_client_ca)
+                self.port = self.server.add_secure_port(address, self._tls.credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise PortUnavailable(
+                f"gRPC port {s.host}:{self._port}: cannot bind (in use, or not an address of this host)"
+            )
+        await self.server.start()
+        return self.port
+
+    async def stop(self, deadline: float) -> bool:
+        """A moment more of UNAVAILABLE answers for calls already on their way (the models have
+        drained), then gRPC stops: the answers in flight go out before `deadline` (loop clock)."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
+        await self.server.stop(max(0.0, deadline - loop.time()))
+        return True

@@ -1,0 +1,1 @@
+"""`serve --edge-processes N`: gRPC edges in N processes in front of one engine process."""

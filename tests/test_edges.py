@@ -1,0 +1,192 @@
+"""`--edge-processes N`: gRPC edges in their own processes in front of one engine.
+
+The whole suite also runs with every server in this mode (ATTNSERVE_TEST_EDGES=2, as .ci/run does);
+these are the behaviours only this mode has: batches shared across edges, numbers summed across
+processes, the arena and its fallback, and what happens when a process dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from test_process import ServerProcess, server_process  # noqa: F401  (a fixture)
+
+from attnserve import AttnServeError, Client
+from attnserve_server.multiprocess.link import ALIGN, Ring
+
+from conftest import model, running, settings
+
+EDGES = 2
+
+
+def test_the_ring_never_hands_out_overlapping_regions_and_reuses_freed_space() -> None:
+    rng = random.Random(0)
+    ring = Ring(64 * 1024)
+    live: dict[int, int] = {}  # start -> end
+    taken = 0
+    for _ in range(20_000):
+        if live and (rng.random() < 0.5 or len(live) > 40):
+            # mostly the oldest first, as requests finish; sometimes any
+            start = min(live) if rng.random() < 0.7 else rng.choice(list(live))
+            ring.free(start)
+            del live[start]
+        else:
+            n = rng.randint(1, 5000)
+            start = ring.take(n)
+            if start is None:
+                continue
+            end = start + max(ALIGN, -(-n // ALIGN) * ALIGN)
+            assert end <= ring.size and all(end <= a or start >= b for a, b in live.items())
+            live[start] = end
+            taken += 1
+    assert taken > 5_000  # freed space came back: 64 KiB holds ~26 regions at a time
+    for start in list(live):
+        ring.free(start)
+    assert ring.take(64 * 1024) == 0  # all of it, once everything is free
+
+
+def test_requests_from_every_edge_share_one_batch_and_every_number_is_summed() -> None:
+    # 16 clients, each its own connection: the kernel spreads connections over the edges. The batch
+    # closes at 16 sequences (its delay is a minute), so all 16 run together.
+    served = settings(model(embed_dim=32, num_heads=4, max_batch_size=16, max_queue_delay_ms=60_000), edge_processes=2)
+    x = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)
+    with running(served) as handle:
+
+        def one(_: int):
+            with Client(handle.target, timeout_s=60) as c:
+                return c.attend(x)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(16)))
+        assert all(r.timing.batch_size == 16 for r in results)
+        assert handle.server.edges is not None
+        per_edge = [sum(s.requests.get(("Attend", "OK"), 0) for s in e.snapshot()) for e in handle.server.edges.edges]
+        assert sum(per_edge) == 16 and all(n > 0 for n in per_edge), per_edge  # both edges served, one batch
+        # Prometheus and KServe statistics count every process's requests.
+        assert handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK") == 16
+        with triton.InferenceServerClient(handle.target) as kc:
+            stats = kc.get_inference_statistics("default", as_json=True)["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) == 16
+        assert int(stats["execution_count"]) == 1 and int(stats["inference_count"]) == 16
+
+
+def test_a_request_larger_than_the_arena_travels_in_the_message() -> None:
+    # 1 MiB of arena: a [2, 512, 256] FP32 request (1 MiB in, 1 MiB out) cannot have a region, one of
+    # its sequences alone (512 KiB each way) can. Both paths give the same numbers.
+    served = settings(model(embed_dim=256, num_heads=8, max_query_len=512), edge_processes=2, edge_arena_bytes=1 << 20)
+    x = np.random.default_rng(1).standard_normal((2, 512, 256)).astype(np.float32)
+    with running(served) as handle, Client(handle.target, timeout_s=60) as c:
+        whole = c.attend(x).output
+        parts = [c.attend(x[i]).output for i in range(2)]
+    np.testing.assert_allclose(whole, np.stack(parts), rtol=1e-5, atol=1e-5)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class Load:
+    """Clients on their own connections calling in a loop, counting status codes."""
+
+    def __init__(self, target: str, clients: int = 8) -> None:
+        self.codes: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.warm = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(target,)) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, target: str) -> None:
+        q = np.ones((16, 64), np.float32)
+        with Client(target, timeout_s=10) as c:
+            while not self._stop.is_set():
+                try:
+                    c.attend(q)
+                    code = "OK"
+                except AttnServeError as exc:
+                    code = exc.code.name
+                with self._lock:
+                    self.codes[code] += 1
+                    if self.codes["OK"] >= 200:
+                        self.warm.set()
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        return dict(self.codes)
+
+
+def _serve(server_process) -> ServerProcess:  # noqa: F811
+    server = ServerProcess("--embed-dim", "64", "--num-heads", "4", "--device", "cpu", "--edge-processes", str(EDGES))
+    server_process.append(server)
+    return server
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_makes_every_edge_answer_unavailable_and_exit(server_process) -> None:  # noqa: F811
+    server = _serve(server_process)
+    edges = _children(server.proc.pid)
+    assert len(edges) == EDGES
+    load = Load(server.target)
+    assert load.warm.wait(120), f"the load never got going: {dict(load.codes)}"
+    server.proc.kill()  # SIGKILL: no drain, no goodbye
+    server.proc.wait()
+    assert _wait(lambda: all(_gone(pid) for pid in edges), 15), "an edge outlived its engine"
+    codes = load.stop()
+    # Never a hang (the clients' 10 s deadline would say DEADLINE_EXCEEDED) nor any other failure.
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    with Client(server.target, timeout_s=5) as c, pytest.raises(AttnServeError) as err:
+        c.attend(np.ones((4, 64), np.float32))
+    assert err.value.code.name == "UNAVAILABLE"
+
+
+@pytest.mark.slow
+def test_an_edge_that_dies_stops_the_server_with_a_non_zero_exit(server_process) -> None:  # noqa: F811
+    server = _serve(server_process)
+    edges = _children(server.proc.pid)
+    load = Load(server.target)
+    assert load.warm.wait(120), f"the load never got going: {dict(load.codes)}"
+    os.kill(edges[0], signal.SIGKILL)
+    assert server.proc.wait(timeout=60) == 1  # drained the other edge, then said so
+    assert _wait(lambda: all(_gone(pid) for pid in edges), 15)
+    codes = load.stop()
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    assert "edge process 0 stopped unasked" in server.proc.stderr.read()
