@@ -294,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s edge{args.index} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # Ctrl-C in a terminal reaches the engine, which drains the edges; an edge stops when told.
+    # A terminal's Ctrl-C or a SIGTERM to the whole process group reaches the engine too, which
+    # drains the edges: an edge stops when its engine tells it to, or when its engine is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return asyncio.run(run(args.link, args.snapshots, args.arena, args.arena_bytes, args.board, args.index))
 
 

@@ -81,8 +81,9 @@ class Edge:
         for flag, value in zip(("--link", "--snapshots", "--arena", "--board"), fds, strict=True):
             command += [flag, str(value)]
         command += ["--arena-bytes", str(size)]
-        # Its own session: a terminal's Ctrl-C reaches the engine only, which drains the edges.
-        self.process = subprocess.Popen(command, pass_fds=fds, start_new_session=True)
+        # In the engine's process group (a group kill reaches it), but it ignores SIGINT and SIGTERM:
+        # the engine drains it (see edge_process.main).
+        self.process = subprocess.Popen(command, pass_fds=fds)
         link_edge.close()
         snapshots_edge.close()
         self.arena = link.Arena(arena_fd, size)
