@@ -65,3 +65,26 @@ def test_cuda_worker_pads_mixed_lengths_through_one_pinned_slab() -> None:
     np.testing.assert_allclose(output_of(second[-1]), output_of(first[0]), atol=1e-6)
     worker.close()
     cpu.close()
+
+
+def test_a_cuda_worker_runs_two_batches_at_once_and_they_agree_with_the_cpu() -> None:
+    # Two lanes (threads, streams, pinned buffers): batch n+1 is staged and copied in while batch n
+    # computes. Many batches at once through the executor must each match the CPU.
+    spec = spec_from_settings(model(embed_dim=E, num_heads=H))
+    worker = DeviceWorker(spec, random_projections(spec, 0), torch.device("cuda", 0))
+    cpu = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+    assert worker.lanes == 2 and worker.pinned_bytes() > 0  # sized from the limits at start-up
+    batches = [[request(rand(2, n, E))] for n in range(3, 23)]
+    futures = [worker.executor.submit(worker.run, b) for b in batches]
+    for batch, future in zip(batches, futures, strict=True):
+        np.testing.assert_allclose(output_of(future.result()[0]), output_of(cpu.run(batch)[0]), atol=1e-4)
+    worker.close()
+    cpu.close()
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_the_pinned_buffers_are_a_metric() -> None:
+    m = model(embed_dim=E, num_heads=H, dtype="auto", device=("cuda",))
+    with running(settings(m)) as handle, Client(handle.target) as c:
+        assert c.model().dtype == "bfloat16"
+        assert c.attend(rand(3, E), dtype="bfloat16").output.shape == (3, E)
+        assert handle.sample("attnserve_pinned_host_bytes", model="default", device="cuda:0") > 0

@@ -488,3 +488,13 @@ def test_a_model_that_fails_to_load_stops_start_and_releases_the_port(tmp_path) 
     assert server.port
     with socket.socket() as s:
         s.bind(("127.0.0.1", server.port))  # free again
+
+
+def test_allow_tf32_turns_tf32_on_for_the_process_and_is_off_by_default() -> None:
+    assert not torch.backends.cuda.matmul.allow_tf32  # torch's default, and ours
+    try:
+        with running(settings(model(embed_dim=E, num_heads=4), allow_tf32=True)) as handle, Client(handle.target) as c:
+            assert torch.backends.cuda.matmul.allow_tf32
+            assert c.model().dtype == "float32"  # auto on the CPU
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False

@@ -108,3 +108,15 @@ def test_unknown_keys_and_duplicates_in_a_file_are_errors(tmp_path: Path) -> Non
         load_settings(str(f))
     with pytest.raises(ConfigError, match="No such file"):
         load_settings(str(tmp_path / "missing.yaml"))
+
+
+def test_auto_dtype_is_bfloat16_on_gpus_only_and_float32_otherwise() -> None:
+    import torch
+
+    from attnserve_server.model import resolve_dtype
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_dtype("auto", [gpu, torch.device("cuda", 1)]) == "bfloat16"
+    assert resolve_dtype("auto", [gpu, cpu]) == "float32"  # a CPU worker among them
+    assert resolve_dtype("auto", [cpu]) == "float32" and resolve_dtype("auto") == "float32"
+    assert resolve_dtype("float16", [gpu]) == "float16"  # what is asked for stays

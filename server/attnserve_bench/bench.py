@@ -77,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="auto")
     g.add_argument("--max-batch-size", default="64", help="comma list: one server (and sweep) per value")
+    g.add_argument(
+        "--edge-processes", default="1", help="comma list: gRPC edge processes, one server (and sweep) per value"
+    )
     g.add_argument("--max-batch-tokens", type=int, default=65536)
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0)
     g.add_argument("--torch-threads", type=int)
@@ -259,14 +262,14 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
 # -- servers started by bench ---------------------------------------------------------------
 
 
-def _start_server(args: argparse.Namespace, max_batch_size: str) -> tuple[subprocess.Popen, str]:
+def _start_server(args: argparse.Namespace, max_batch_size: str, edges: str) -> tuple[subprocess.Popen, str]:
 
     flags = [
         *("--metrics-port", "-1", "--kind", args.kind, "--embed-dim", str(args.embed_dim)),
         *("--num-heads", str(args.num_heads), "--dtype", args.dtype, "--device", args.device),
         *("--max-batch-size", max_batch_size, "--max-batch-tokens", str(args.max_batch_tokens)),
         *("--max-queue-delay-ms", str(args.max_queue_delay_ms), "--model-name", args.model or "default"),
-        *("--max-queue-size", "4096"),
+        *("--max-queue-size", "4096", "--edge-processes", edges),
         *(("--torch-threads", str(args.torch_threads)) if args.torch_threads else ()),
     ]
     server = spawn_serve(*flags)
@@ -425,15 +428,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"attnserve bench: {exc}", file=sys.stderr)
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
-    variants = [None] if args.target else args.max_batch_size.split(",")
+    edge_counts = args.edge_processes.split(",")
+    variants: list[tuple[str, str] | None] = (
+        [None] if args.target else [(b, e) for b in args.max_batch_size.split(",") for e in edge_counts]
+    )
     rows: list[Row] = []
     info = inputs = echo = None
     for variant in variants:
         proc = None
         target = args.target
+        label = target
         if variant is not None:
-            proc, target = _start_server(args, variant)
-        label = f"max_batch={variant}" if variant is not None else target
+            proc, target = _start_server(args, *variant)
+            label = f"max_batch={variant[0]}" + (f" edges={variant[1]}" if edge_counts != ["1"] else "")
         try:
             with Client(target, wait_for_ready=True, timeout_s=60, **args.connection) as client:
                 info = client.model(args.model)

@@ -87,6 +87,11 @@ class AttnServer:
 
     async def _start(self) -> None:
         s = self.settings
+        if s.allow_tf32:
+            import torch
+
+            torch.backends.cuda.matmul.allow_tf32 = True  # process-wide: every float32 model on CUDA
+            log.info("TF32 on for float32 matrix products on CUDA (allow_tf32)")
         await set_health(self._health, tuple(self.models), NOT_SERVING)
         if s.edge_processes == 1:
             # The port answers (NOT_SERVING) while the models load.
@@ -123,7 +128,10 @@ class AttnServer:
         for served in self.models.values():
             await served.load()
             await self._health.set(served.spec.name, SERVING)
-        self.metrics.watch_cuda_memory(sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}))
+        self.metrics.watch_cuda_memory(
+            sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}),
+            lambda: {name: m.pinned_bytes() for name, m in self.models.items()},
+        )
         if self.edges is not None:
             # The edges start once the models are ready: each learns of them as they will serve.
             await self.edges.start()

@@ -134,9 +134,11 @@ class Metrics:
         """Request-path numbers counted in other processes (the edges), summed into every scrape."""
         self._remote.append(source)
 
-    def watch_cuda_memory(self, devices: list[str]) -> None:
+    def watch_cuda_memory(self, devices: list[str], pinned: Callable[[], dict[str, dict[str, int]]]) -> None:
+        """Device memory per CUDA device, and `pinned()` ({model: {device: bytes}}) of page-locked host
+        buffers, read at scrape time."""
         if devices:
-            self.registry.register(_CudaMemoryCollector(devices))
+            self.registry.register(_CudaMemoryCollector(devices, pinned))
 
     def serve_http(
         self,
@@ -435,8 +437,9 @@ class _RequestPathCollector(Collector):
 class _CudaMemoryCollector(Collector):
     """Reads device memory at scrape time, so the request path pays nothing for it."""
 
-    def __init__(self, devices: list[str]) -> None:
+    def __init__(self, devices: list[str], pinned: Callable[[], dict[str, dict[str, int]]]) -> None:
         self._devices = devices
+        self._pinned = pinned
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         import torch
@@ -451,8 +454,18 @@ class _CudaMemoryCollector(Collector):
             "Memory reserved by torch's caching allocator on a CUDA device.",
             labels=["device"],
         )
+        pinned = GaugeMetricFamily(
+            "attnserve_pinned_host_bytes",
+            "Page-locked host memory a model's CUDA worker holds for staging inputs and reading outputs back.",
+            labels=["model", "device"],
+        )
         for device in self._devices:
             allocated.add_metric([device], torch.cuda.memory_allocated(device))
             reserved.add_metric([device], torch.cuda.memory_reserved(device))
+        for model, per_device in self._pinned().items():
+            for device, nbytes in per_device.items():
+                if device != "cpu":
+                    pinned.add_metric([model, device], nbytes)
         yield allocated
         yield reserved
+        yield pinned

@@ -25,7 +25,17 @@ log = logging.getLogger(__name__)
 WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
 
 
-def spec_from_settings(settings: ModelSettings, max_message_bytes: int = 256 << 20) -> ModelSpec:
+def resolve_dtype(setting: str, devices: list[torch.device] | None = None) -> str:
+    """`auto` is bfloat16 for a model on GPUs only (tensor cores, half the bytes to move), float32
+    where any worker is a CPU (or the devices are not known yet)."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if devices and all(d.type == "cuda" for d in devices) else "float32"
+
+
+def spec_from_settings(
+    settings: ModelSettings, max_message_bytes: int = 256 << 20, devices: list[torch.device] | None = None
+) -> ModelSpec:
     e = settings.embed_dim
     return ModelSpec(
         name=settings.name,
@@ -35,7 +45,7 @@ def spec_from_settings(settings: ModelSettings, max_message_bytes: int = 256 << 
         kdim=settings.kdim or e,
         vdim=settings.vdim or e,
         bias=settings.bias,
-        dtype=dtypes.FLOATS[settings.dtype],
+        dtype=dtypes.FLOATS[resolve_dtype(settings.dtype, devices)],
         max_query_len=settings.max_query_len,
         max_key_len=settings.max_key_len,
         max_batch_size=settings.batching.max_batch_size,
@@ -69,7 +79,10 @@ class ServedModel:
     ) -> None:
         self._tracing = tracing
         self.settings = settings
-        self.spec = spec_from_settings(settings, max_message_bytes)
+        # Devices are resolved now: the dtype may depend on them, and a GPU asked for and missing
+        # stops the server before anything starts.
+        self._devices = resolve_devices(settings.device)
+        self.spec = spec_from_settings(settings, max_message_bytes, self._devices)
         self.metrics = metrics
         self.devices: list[str] = []
         self.ready = False
@@ -82,20 +95,23 @@ class ServedModel:
     async def load(self) -> None:
         """Loads weights, builds one worker per device and warms each up, off the event loop."""
         loop = asyncio.get_running_loop()
-        devices = resolve_devices(self.settings.device)
+        devices = self._devices
         params = await asyncio.to_thread(load_projections, self.spec, self.settings.weights)
         for device in devices:
             worker = await asyncio.to_thread(self._worker_factory, self.spec, params, device, self._torch_threads)
-            await loop.run_in_executor(worker.executor, worker.warmup)
+            # Every lane's thread warms up (submitted at once, each warm-up starts a thread of its own).
+            await asyncio.gather(*(loop.run_in_executor(worker.executor, worker.warmup) for _ in range(worker.lanes)))
             self._workers.append(worker)
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
-        self._batcher = Batcher([self._runner(w) for w in self._workers], self.limits, self.metrics)
+        # A runner per lane: a CUDA worker takes its next batch while its last one computes.
+        runners = [self._runner(w) for w in self._workers for _ in range(w.lanes)]
+        self._batcher = Batcher(runners, self.limits, self.metrics)
         self._batcher.start()
         self.metrics.describe(
             queue_capacity=b.max_queue_size,
             kind=self.spec.kind.value,
-            dtype=self.settings.dtype,
+            dtype=self.spec.dtype.setting,
             devices=",".join(self.devices),
             embed_dim=str(self.spec.embed_dim),
             num_heads=str(self.spec.num_heads),
@@ -147,6 +163,10 @@ class ServedModel:
             nbytes=request.nbytes,
             memory=request.memory_bytes,
         )
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked host memory per device worker (CUDA staging and output buffers)."""
+        return {w.name: w.pinned_bytes() for w in self._workers}
 
     def watch_queue(self, listener: Callable[[int, int, bool], None]) -> None:
         """`listener(depth, queued bytes, closing)` now and at every change (see Batcher.watch)."""

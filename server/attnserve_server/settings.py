@@ -16,7 +16,7 @@ from typing import Any
 from attnserve_server.errors import ConfigError
 
 ENV_PREFIX = "ATTNSERVE_"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 KINDS = ("mha", "sdpa")
 WEIGHT_FORMATS = ("random", "torch", "bert")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
@@ -54,7 +54,8 @@ class ModelSettings:
     kdim: int | None = None
     vdim: int | None = None
     bias: bool = True
-    dtype: str = "float32"
+    # auto: bfloat16 where the model runs on GPUs only, float32 on the CPU (model.resolve_dtype).
+    dtype: str = "auto"
     # auto: every visible GPU, else the CPU. One worker per device listed.
     device: tuple[str, ...] = ("auto",)
     max_query_len: int = 4096
@@ -91,6 +92,8 @@ class ServerSettings:
     # gRPC edge processes on the one port in front of the engine process (README: Edge processes);
     # 1 serves gRPC in the engine's own process.
     edge_processes: int = 1
+    # float32 matrix products on CUDA in TF32 (faster, ~10 bits of mantissa): off unless asked for.
+    allow_tf32: bool = False
     edge_arena_bytes: int = 64 * 1024 * 1024  # shared memory per edge for requests' tensors in flight
     models: tuple[ModelSettings, ...] = (ModelSettings(),)
 
@@ -143,6 +146,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "gRPC edge processes sharing the port in front of one engine process; 1: one process (default 1)",
     ),
+    Option("allow-tf32", "server", bool, "float32 models on CUDA multiply in TF32, true or false (default false)"),
     Option("edge-arena-bytes", "server", int, "shared memory per edge process for tensors in flight (default 64 MiB)"),
     Option("model-name", "model", str, "name of the model (default 'default')"),
     Option("kind", "model", str, "mha (learned projections) or sdpa (bare attention) (default mha)"),
@@ -151,7 +155,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("kdim", "model", int, "key input width (default E)"),
     Option("vdim", "model", int, "value input width (default E)"),
     Option("bias", "model", bool, "projection biases, true or false (default true)"),
-    Option("dtype", "model", str, "float32, float16 or bfloat16 (default float32)"),
+    Option(
+        "dtype",
+        "model",
+        str,
+        "auto (bfloat16 on GPUs, float32 on the CPU), float32, float16 or bfloat16 (default auto)",
+    ),
     Option("device", "model", str, "auto, cpu, cuda, cuda:N, or a comma list: one worker each (default auto)"),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),

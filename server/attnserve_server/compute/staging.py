@@ -49,12 +49,17 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 class Slab:
     """A grow-only byte buffer reused batch after batch (page-locked when it feeds a GPU).
 
-    Safe to reuse because a worker runs one batch at a time and synchronizes before the next.
+    Safe to reuse because each belongs to one worker lane, which runs one batch at a time and
+    synchronizes before its next.
     """
 
     def __init__(self, pinned: bool) -> None:
         self._pinned = pinned
         self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.numel()
 
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes > self._buffer.numel():

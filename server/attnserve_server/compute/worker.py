@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,8 +44,37 @@ class _CudaPhases:
 SMALL_BATCH_WORK = 2 * 64 * 256
 
 
+# On CUDA a worker runs this many batches at once, each on a lane of its own (a thread, a stream and
+# pinned buffers): while one batch computes, the next is staged and copied in (double buffering).
+CUDA_LANES = 2
+# Pinned buffers are sized at start-up for a batch of max_batch_tokens tokens, up to this much each;
+# a larger batch grows them (attnserve_pinned_host_bytes shows what they hold).
+PINNED_PRESIZE_CAP = 256 << 20
+
+
+class _Lane:
+    """What one in-flight batch needs on the worker: its stream, its staging slab and its output slabs."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.stager = Stager(device, dtype)
+        self.out = Slab(pinned=True) if cuda else None
+        self.weights_out = Slab(pinned=True) if cuda else None
+
+    def presize(self, inputs: int, outputs: int) -> None:
+        if self.stager.slab is not None and self.out is not None:
+            self.stager.slab.take(min(inputs, PINNED_PRESIZE_CAP))
+            self.out.take(min(outputs, PINNED_PRESIZE_CAP))
+
+    def pinned_bytes(self) -> int:
+        slabs = (self.stager.slab, self.out, self.weights_out)
+        return sum(slab.capacity for slab in slabs if slab is not None)
+
+
 class DeviceWorker:
-    """Runs `run(requests) -> [Answer]` on one device, on its own thread (see `executor`)."""
+    """Runs `run(requests) -> [Answer]` on one device, on threads of its own (see `executor`):
+    `lanes` batches at once (one on the CPU; CUDA_LANES on a GPU)."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, torch_threads: int | None = None
@@ -54,22 +84,36 @@ class DeviceWorker:
         self.name = str(device)
         self.dtype: torch.dtype = getattr(torch, spec.dtype.setting)
         self._cuda = device.type == "cuda"
-        # One thread per device: torch releases the GIL in its kernels, and the event loop stays free.
+        self.lanes = CUDA_LANES if self._cuda else 1
+        self._lanes = [_Lane(device, self.dtype) for _ in range(self.lanes)]
+        self._free_lanes = list(self._lanes)
+        self._local = threading.local()
+        if self._cuda:
+            itemsize = spec.dtype.itemsize
+            tokens = spec.max_batch_tokens
+            widths = spec.embed_dim + (0 if spec.self_attention else spec.kdim + spec.vdim)
+            for lane in self._lanes:
+                lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
+        self._torch_threads = torch_threads
+        # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread.
         self.executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix=f"attn-{spec.name}-{device}",
-            initializer=torch.set_num_threads if torch_threads else None,
-            initargs=(torch_threads,) if torch_threads else (),
+            max_workers=self.lanes, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._stager = Stager(device, self.dtype)
-        self._out = Slab(pinned=True) if self._cuda else None
-        self._weights_out = Slab(pinned=True) if self._cuda else None
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device)
         self._threads: int | None = None  # the worker thread's intra-op threads, read on its first batch
         self._threads_now = 0
+
+    def _start_thread(self) -> None:
+        """Each executor thread takes a lane of its own for good."""
+        self._local.lane = self._free_lanes.pop()
+        if self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory the worker holds (0 on the CPU)."""
+        return sum(lane.pinned_bytes() for lane in self._lanes)
 
     def _fit_threads(self, work: int) -> None:
         """One intra-op thread for a small CPU batch, the configured count otherwise (0.1 us to switch)."""
@@ -93,14 +137,16 @@ class DeviceWorker:
     def run(self, requests: list[AttentionRequest]) -> list[Answer]:
         """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it)."""
         start = time.perf_counter()
-        timer = _CudaPhases(self._stream) if self._stream is not None else None
+        # A call from outside the executor (tests, the in-process benchmark) runs on the first lane.
+        lane: _Lane = getattr(self._local, "lane", self._lanes[0])
+        timer = _CudaPhases(lane.stream) if lane.stream is not None else None
         first = requests[0]
         n = sum(r.sequences for r in requests)
         length = max(r.query_len for r in requests)
         s = max(r.key_len for r in requests)
         if not self._cuda:
             self._fit_threads(n * length * self.spec.embed_dim)
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             # 1. stage inputs, padded to the batch's longest query and key
             roles = [([r.query for r in requests], length)]
@@ -110,7 +156,7 @@ class DeviceWorker:
                 shared = all(r.value is r.key for r in requests)
                 if not shared:
                     roles.append(([r.value for r in requests], s))  # type: ignore[misc]
-            tensors, padding = self._stager.stage(roles, key_mask(requests, n, s))
+            tensors, padding = lane.stager.stage(roles, key_mask(requests, n, s))
             query = tensors[0]
             key = value = None
             if first.key is not None:
@@ -127,11 +173,11 @@ class DeviceWorker:
                 timer.mark(1)
             computed = time.perf_counter()
             # 3. results to the host once (one copy each on CUDA), then one slice per request
-            out_host = self._to_host(self._out, out)
-            weights_host = self._to_host(self._weights_out, weights)
-            if self._stream is not None:
+            out_host = self._to_host(lane.out, out)
+            weights_host = self._to_host(lane.weights_out, weights)
+            if lane.stream is not None:
                 timer.mark(2)  # type: ignore[union-attr]
-                self._stream.synchronize()
+                lane.stream.synchronize()
             synced = time.perf_counter()
             outputs = split(out_host, requests, key_axis=False)  # type: ignore[arg-type]
             weights_parts = split(weights_host, requests, key_axis=True) if weights_host is not None else None

@@ -297,7 +297,7 @@ def model_config(spec: ModelSpec, settings: ModelSettings, devices: list[str]) -
         "num_heads": spec.num_heads,
         "kdim": spec.kdim,
         "vdim": spec.vdim,
-        "dtype": settings.dtype,
+        "dtype": spec.dtype.setting,
         "max_query_len": spec.max_query_len,
         "max_key_len": spec.max_key_len,
         "max_batch_tokens": spec.max_batch_tokens,
