@@ -44,7 +44,8 @@ LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-d
   --concurrency-range "$CONC:$CONC" --measurement-interval $((SECONDS_PA * 1000 / 3)) -s 1000 -r 3 \
   "${MODE_FLAG[@]}" >"$OUT/perf_analyzer.log" 2>&1 &
 LOAD=$!
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; } # utime + stime, every thread of the process
+# utime + stime of every thread of the server process and of its children (edge processes)
+cpu_ticks() { for p in $PID $(pgrep -P "$PID"); do awk '{print $14 + $15}' "/proc/$p/stat"; done | awk '{s += $1} END {print s}'; }
 sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks)
 if [ "${SPY:-1}" = 1 ]; then
@@ -60,7 +61,7 @@ rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail 
 requests=$((rate * SECONDS_SPY))
 echo "perf_analyzer: $rate req/s at concurrency $CONC ($MODE); about $requests requests while recording" | tee "$OUT/summary.md"
 python3 -c "import sys; t0, t1, c, r, hz = map(float, sys.argv[1:]); t = t1 - t0
-print(f'server process: {c / hz / t:.2f} cores busy, {1e6 * c / hz / (r * t):.0f} us CPU per request')" \
+print(f'server processes: {c / hz / t:.2f} cores busy, {1e6 * c / hz / (r * t):.0f} us CPU per request')" \
   "$t0" "$t1" "$((c1 - c0))" "$rate" "$(getconf CLK_TCK)" | tee -a "$OUT/summary.md"
 [ "${SPY:-1}" = 1 ] && "$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
 grep -E "Throughput|p50 latency|p99 latency" "$OUT/perf_analyzer.log" | tee -a "$OUT/summary.md" || true
