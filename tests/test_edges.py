@@ -190,3 +190,12 @@ def test_an_edge_that_dies_stops_the_server_with_a_non_zero_exit(server_process)
     codes = load.stop()
     assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
     assert "edge process 0 stopped unasked" in server.proc.stderr.read()
+
+
+def test_an_edge_process_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, attnserve_server.multiprocess.edge_process; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     # drains the edges: an edge stops when its engine tells it to, or when its engine is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the front can reload its TLS files on it
     return asyncio.run(run(args.link, args.snapshots, args.arena, args.arena_bytes, args.board, args.index))
 
 

@@ -104,11 +104,18 @@ class Edge:
     def snapshot(self) -> list[RequestPathSnapshot]:
         """The edge's request-path numbers (from the metrics thread or a worker thread)."""
         with self._snapshot_lock:
+            if self._snapshots.fileno() < 0:
+                return []
             try:
                 self._snapshots.sendall(b"s")
                 return link.receive_blocking(self._snapshots)
-            except (OSError, EOFError):
-                return []  # a dead edge counts nothing more; the server is stopping anyway
+            except (OSError, EOFError) as exc:
+                # A dead edge counts nothing more (the server is stopping); one that does not answer
+                # within the timeout is not asked again: a late answer would be read as the next one.
+                if isinstance(exc, TimeoutError):
+                    log.error("edge process %d did not answer a metrics scrape in time", self.index)
+                self._snapshots.close()
+                return []
 
     # -- messages from the edge ------------------------------------------------------------
 
@@ -270,7 +277,7 @@ class EdgeSupervisor:
                 edge.process.send_signal(signal.SIGHUP)
 
     def set_state(self, serving: bool) -> None:
-        ready = {name: m.ready for name, m in self.models.items()}
+        ready = {name: serving and m.ready for name, m in self.models.items()}
         for edge in self.edges:
             edge.send((link.STATE, ready, serving))
 
