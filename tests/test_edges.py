@@ -199,3 +199,16 @@ def test_an_edge_process_imports_no_torch() -> None:
     code = "import sys, attnserve_server.multiprocess.edge_process; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_more_edges_than_the_default_thread_pool_has_threads() -> None:
+    # Nothing waits on an edge process in a thread (a pidfd tells its exit): with 8 edges on a small
+    # machine asyncio's default pool (cores + 4 threads) still runs statistics and shutdown.
+    with running(settings(model(embed_dim=32, num_heads=4), edge_processes=8)) as handle:
+        with Client(handle.target) as c:
+            for _ in range(5):
+                c.attend(np.ones((4, 32), np.float32))
+        with triton.InferenceServerClient(handle.target) as kc:
+            stats = kc.get_inference_statistics("default", as_json=True)["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) == 5
+        assert handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK") == 5

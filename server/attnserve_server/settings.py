@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnserve_server.domain import ModelKind
+from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
 
 ENV_PREFIX = "ATTNSERVE_"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-KINDS = ("mha", "sdpa")
+# The accepted names come from the tables the server uses them with: one list of each.
+DTYPES = ("auto", *FLOATS)
+KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")

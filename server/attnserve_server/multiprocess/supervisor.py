@@ -229,7 +229,6 @@ class EdgeSupervisor:
         self.failed = failed  # set when an edge dies while serving
         self._stopping = False
         self._reserved: socket.socket | None = None
-        self._watchers: list[asyncio.Task] = []
 
     def reserve(self) -> int:
         """Claims the port (before the models load: a taken port fails at once) and returns it."""
@@ -247,18 +246,26 @@ class EdgeSupervisor:
         for index in range(s.edge_processes):
             edge = Edge(index, self)
             self.edges.append(edge)
-            self._watchers.append(loop.create_task(self._watch(edge)))
+            self._watch(edge, loop)
             await edge.connect()
         os.close(self.board_fd)  # every edge has it now; the mappings hold the memory
         await asyncio.wait_for(asyncio.gather(*(e.ready for e in self.edges)), START_TIMEOUT_S)
         pids = ", ".join(str(e.process.pid) for e in self.edges)
         log.info("%d edge processes (pids %s) serving port %d", len(self.edges), pids, self.port)
 
-    async def _watch(self, edge: Edge) -> None:
-        code = await asyncio.to_thread(edge.process.wait)
-        edge.exited.set_result(code)
-        if not self._stopping:
-            log.error("edge process %d (pid %d) exited with %d", edge.index, edge.process.pid, code)
+    def _watch(self, edge: Edge, loop: asyncio.AbstractEventLoop) -> None:
+        """Sets `edge.exited` when its process ends: a pidfd turns readable (no thread waits on it)."""
+        pidfd = os.pidfd_open(edge.process.pid)
+
+        def exited() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            code = edge.process.wait()
+            edge.exited.set_result(code)
+            if not self._stopping:
+                log.error("edge process %d (pid %d) exited with %d", edge.index, edge.process.pid, code)
+
+        loop.add_reader(pidfd, exited)
 
     def edge_lost(self, edge: Edge) -> None:
         if self._stopping:
