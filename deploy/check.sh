@@ -328,7 +328,7 @@ EOF
   python3 -c "import sys; sys.exit(0 if $took < $grace else 1)" || { echo "smoke: stop took ${took} s (grace ${grace} s)" >&2; return 1; }
   echo "ok"
 
-  step "TLS: the same image with a certificate, a plaintext health port for its HEALTHCHECK, plaintext refused"
+  step "TLS and two edge processes: the same image with a certificate, a plaintext health port for its HEALTHCHECK, plaintext refused"
   local pki=$prom_dir/pki tls_port health_port
   mkdir -p "$pki"
   openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "/CN=attnserve-smoke-ca" \
@@ -342,7 +342,7 @@ EOF
   health_port=$(free_port)
   podman run -d --name "$name-tls" --network host --health-interval disable -v "$pki:/tls:ro" \
     -e ATTNSERVE_PORT="$tls_port" -e ATTNSERVE_METRICS_PORT=-1 -e ATTNSERVE_HEALTH_PORT="$health_port" \
-    -e ATTNSERVE_TLS_CERT=/tls/server.pem -e ATTNSERVE_TLS_KEY=/tls/server.key \
+    -e ATTNSERVE_TLS_CERT=/tls/server.pem -e ATTNSERVE_TLS_KEY=/tls/server.key -e ATTNSERVE_EDGE_PROCESSES=2 \
     "$IMAGE" --embed-dim 64 --num-heads 4 >/dev/null
   deadline=$((SECONDS + 180))
   until "$VENV/bin/attnserve" health --target "127.0.0.1:$tls_port" --tls-ca "$pki/ca.pem" >/dev/null 2>&1; do
@@ -361,7 +361,8 @@ EOF
   fi
   podman stop -t 15 "$name-tls" >/dev/null
   [ "$(podman inspect --format '{{.State.ExitCode}}' "$name-tls")" = 0 ] || { echo "smoke: TLS container exit" >&2; return 1; }
-  echo "ok: TLS served, plaintext refused, HEALTHCHECK on the health port, exit 0"
+  podman logs "$name-tls" 2>&1 | grep -q "2 edge processes" || { echo "smoke: no edge processes in the TLS run" >&2; return 1; }
+  echo "ok: TLS served by two edge processes, plaintext refused, HEALTHCHECK on the health port, exit 0"
 }
 
 case "${1:-all}" in
