@@ -2,9 +2,9 @@
 # The prepared GPU check: one device call of at most ~7 minutes. Imports first (fail fast, nothing
 # else runs without them), then the CUDA tests and the parity suites on CUDA, then the benchmarks.
 #   here:   scripts/fetch_gpu_wheels.sh          (the wheels the device image lacks, into .whl/)
-#   device: run carry [".whl"], timeout_s 480, command "bash scripts/gpu_check.sh"
+#   device: run carry [".whl"], timeout_s 500, command "bash scripts/gpu_check.sh"
 # Writes logs and JSON under $OUT (the device tool's folder) or /tmp/attnserve-gpu. Exit 0 only if
-# every step passed; each step has its own time limit, and together they stay under 7 minutes (400 s).
+# every step passed; each step has its own time limit, and together they stay under 7.5 minutes (445 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/attnserve-gpu}
@@ -50,15 +50,18 @@ timeout 60 python3 -m pytest tests/test_cuda.py tests/test_worker.py -q -p no:ca
 ATTNSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest tests/test_parity.py -q -p no:cacheprovider -o addopts="" \
   2>&1 | tee "$OUT/tests-parity-cuda.log" || status=1
 
-# 3. Benchmarks (<= 2 x 110 s): W1 and WL in bfloat16 (the CUDA default) through the server with 1, 2,
-#    4 and 8 edge processes, with the in-process limit at the batch size each reached.
+# 3. Benchmarks (<= 110 + 45 + 110 s): W1 and WL in bfloat16 (the CUDA default) through the server
+#    with 1, 2, 4 and 8 edge processes, and W1 with CUDA graphs, with the in-process limit at the
+#    batch size each reached.
 bench() {
-  local name=$1
-  shift
-  timeout 110 python3 -m attnserve_server bench --device cuda --dtype bfloat16 --duration-s 2 --warmup-s 0.5 \
-    --inprocess-s 1.5 --edge-processes 1,2,4,8 --json "$OUT/bench-$name.json" "$@" 2>"$OUT/bench-$name.err" |
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m attnserve_server bench --device cuda --dtype bfloat16 --duration-s 2 --warmup-s 0.5 \
+    --inprocess-s 1.5 --json "$OUT/bench-$name.json" "$@" 2>"$OUT/bench-$name.err" |
     tee "$OUT/bench-$name.txt" || status=1
 }
-bench w1-bf16 --embed-dim 256 --num-heads 8 --seq-len 64 --concurrency 1,32,128
-bench wl-bf16 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32,128
+W1=(--embed-dim 256 --num-heads 8 --seq-len 64 --concurrency 1,32,128)
+bench w1-bf16 110 "${W1[@]}" --edge-processes 1,2,4,8
+ATTNSERVE_CUDA_GRAPHS=true bench w1-bf16-graphs 45 "${W1[@]}"
+bench wl-bf16 110 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32,128 --edge-processes 1,2,4,8
 exit $status

@@ -88,3 +88,26 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_and_the_pinned_buffers_are_a_metric() -
         assert c.model().dtype == "bfloat16"
         assert c.attend(rand(3, E), dtype="bfloat16").output.shape == (3, E)
         assert handle.sample("attnserve_pinned_host_bytes", model="default", device="cuda:0") > 0
+
+
+def test_cuda_graphs_give_the_ordinary_path_s_answers_and_masked_batches_stay_ordinary() -> None:
+    graphed_spec = spec_from_settings(model(embed_dim=E, num_heads=H, cuda_graphs=True, max_batch_size=16))
+    plain_spec = spec_from_settings(model(embed_dim=E, num_heads=H, max_batch_size=16))
+    graphed = DeviceWorker(graphed_spec, random_projections(graphed_spec, 0), torch.device("cuda", 0))
+    plain = DeviceWorker(plain_spec, random_projections(plain_spec, 0), torch.device("cuda", 0))
+    for n, length in [(1, 8), (3, 8), (5, 64), (16, 64), (3, 8)]:  # buckets 1, 4, 8, 16; then a replay
+        batch = [request(rand(1, length, E) + i) for i in range(n)]
+        for got, want in zip(graphed.run(batch), plain.run(batch), strict=True):
+            np.testing.assert_allclose(output_of(got), output_of(want), atol=1e-5)
+    masked = [request(rand(2, 8, E), causal=True, need_weights=True)]
+    np.testing.assert_allclose(output_of(graphed.run(masked)[0]), output_of(plain.run(masked)[0]), atol=1e-5)
+    graphed.close()
+    plain.close()
+
+
+def test_a_server_with_cuda_graphs_serves_and_matches_the_cpu_reference() -> None:
+    m = model(embed_dim=E, num_heads=H, dtype="float32", device=("cuda",), cuda_graphs=True)
+    q = rand(3, 17, E)
+    with running(settings(m)) as handle, Client(handle.target) as c:
+        got = c.attend(q)
+    assert float(np.abs(got.output - reference(q, [17, 17, 17], False)).max()) <= 1e-4

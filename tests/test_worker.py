@@ -83,3 +83,15 @@ def test_a_small_cpu_batch_runs_on_one_thread_and_a_large_one_on_all() -> None:
         assert w.executor.submit(torch.get_num_threads).result() == 2
     finally:
         w.close()
+
+
+def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() -> None:
+    spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",), cuda_graphs=True))
+    w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+    try:
+        assert w.lanes == 1 and w.pinned_bytes() == 0
+        w.warmup()  # no graph is made on the CPU
+        q = np.ones((2, 5, 16), np.float32)
+        assert output_of(w.executor.submit(w.run, [request(q)]).result()[0]).shape == (2, 5, 16)
+    finally:
+        w.close()

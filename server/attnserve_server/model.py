@@ -52,6 +52,7 @@ def spec_from_settings(
         max_batch_tokens=settings.batching.max_batch_tokens,
         max_batch_memory_bytes=settings.batching.max_batch_memory_bytes,
         max_answer_bytes=max_message_bytes,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

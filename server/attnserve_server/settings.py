@@ -63,6 +63,8 @@ class ModelSettings:
     device: tuple[str, ...] = ("auto",)
     max_query_len: int = 4096
     max_key_len: int = 4096
+    # CUDA graphs for small unmasked self-attention batches (compute/graphs.py); ignored on the CPU.
+    cuda_graphs: bool = False
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
@@ -165,6 +167,7 @@ OPTIONS: tuple[Option, ...] = (
         "auto (bfloat16 on GPUs, float32 on the CPU), float32, float16 or bfloat16 (default auto)",
     ),
     Option("device", "model", str, "auto, cpu, cuda, cuda:N, or a comma list: one worker each (default auto)"),
+    Option("cuda-graphs", "model", bool, "replay small unmasked batches as CUDA graphs, true or false (default false)"),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
     Option("max-batch-size", "batching", int, "sequences in one batch (default 64)"),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from attnserve_server.compute.attention import AttentionCompute
+from attnserve_server.compute.graphs import GraphedAttention
 from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import Answer, AttentionRequest, BatchReport, HostTensor, ModelKind, ModelSpec
@@ -61,6 +62,7 @@ class _Lane:
         self.stager = Stager(device, dtype)
         self.out = Slab(pinned=True) if cuda else None
         self.weights_out = Slab(pinned=True) if cuda else None
+        self.graphs: GraphedAttention | None = None  # with cuda_graphs, on CUDA
 
     def presize(self, inputs: int, outputs: int) -> None:
         if self.stager.slab is not None and self.out is not None:
@@ -102,6 +104,9 @@ class DeviceWorker:
         )
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device)
+        if self._cuda and spec.cuda_graphs:
+            for lane in self._lanes:
+                lane.graphs = GraphedAttention(self._compute, device, self.dtype, spec.max_batch_size)
         self._threads: int | None = None  # the worker thread's intra-op threads, read on its first batch
         self._threads_now = 0
 
@@ -166,9 +171,17 @@ class DeviceWorker:
                 timer.mark(0)
             staged = time.perf_counter()
             # 2. compute
-            out, weights = self._compute(
-                query, key, value, padding, first.causal, first.need_weights, first.average_weights
-            )
+            graphs = lane.graphs
+            out = None
+            if graphs is not None and graphs.takes(query, key, padding, first.causal, first.need_weights):
+                try:
+                    out, weights = graphs(query), None
+                except RuntimeError as exc:  # a capture that failed: the ordinary path from now on
+                    graphs.disable(exc)
+            if out is None:
+                out, weights = self._compute(
+                    query, key, value, padding, first.causal, first.need_weights, first.average_weights
+                )
             if timer is not None:
                 timer.mark(1)
             computed = time.perf_counter()
@@ -246,6 +259,11 @@ class DeviceWorker:
             )
             self.run([self.example_request(length, key_lengths=max(1, length // 2))])
             self.run([self.example_request(length, need_weights=True)])
+            graphs = getattr(self._local, "lane", self._lanes[0]).graphs
+            if graphs is not None and self._compute.fused and self.spec.self_attention:
+                # this lane's graphs for every batch bucket at this length
+                for bucket in graphs.buckets():
+                    self.run([self.example_request(length) for _ in range(bucket)])
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
