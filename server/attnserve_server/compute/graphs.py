@@ -13,6 +13,7 @@ own stream, one batch at a time, so a graph's buffers are never shared between b
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import torch
@@ -34,8 +35,19 @@ class _Graph:
 class GraphedAttention:
     """One lane's graphs over `compute`; call it inside the lane's stream and inference mode."""
 
-    def __init__(self, compute: AttentionCompute, device: torch.device, dtype: torch.dtype, max_batch: int) -> None:
+    def __init__(
+        self,
+        compute: AttentionCompute,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch: int,
+        capture_lock: threading.Lock,
+    ) -> None:
         self._compute = compute
+        # One capture at a time per device worker (its lanes capture on threads of their own), each on
+        # this lane's own capture stream: torch.cuda.graph would otherwise share one among all graphs.
+        self._capture_lock = capture_lock
+        self._capture_stream = torch.cuda.Stream(device)
         self._device = device
         self._dtype = dtype
         self._max_bucket = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
@@ -74,6 +86,10 @@ class GraphedAttention:
         return self._compute(query, None, None, None, False, False, False)[0]
 
     def _capture(self, bucket: int, length: int) -> _Graph:
+        with self._capture_lock:
+            return self._capture_locked(bucket, length)
+
+    def _capture_locked(self, bucket: int, length: int) -> _Graph:
         if len(self._graphs) >= MAX_GRAPHS:
             self._graphs.popitem(last=False)
         static_in = torch.zeros(bucket, length, self._compute.spec.embed_dim, dtype=self._dtype, device=self._device)
@@ -90,7 +106,7 @@ class GraphedAttention:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the other lane's thread keeps launching and allocating while this one captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
             static_out = self._run(static_in)
         entry = self._graphs[(bucket, length)] = _Graph(graph, static_in, static_out)
         log.debug("captured a CUDA graph for %d x %d on %s", bucket, length, self._device)

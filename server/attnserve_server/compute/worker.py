@@ -105,8 +105,9 @@ class DeviceWorker:
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device)
         if self._cuda and spec.cuda_graphs:
+            capture_lock = threading.Lock()
             for lane in self._lanes:
-                lane.graphs = GraphedAttention(self._compute, device, self.dtype, spec.max_batch_size)
+                lane.graphs = GraphedAttention(self._compute, device, self.dtype, spec.max_batch_size, capture_lock)
         self._threads: int | None = None  # the worker thread's intra-op threads, read on its first batch
         self._threads_now = 0
 
