@@ -21,6 +21,7 @@ from attnserve_server import AttnServer
 from attnserve_server.compute.staging import host_tensor
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest
+from attnserve_server.eventloop import loop_factory
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
 
 
@@ -97,17 +98,23 @@ def model(name: str = "default", **fields: Any) -> ModelSettings:
 TEST_EDGES = int(os.environ.get("ATTNSERVE_TEST_EDGES", "1"))
 if TEST_EDGES > 1:  # and every `attnserve serve` a test starts
     os.environ.setdefault("ATTNSERVE_EDGE_PROCESSES", str(TEST_EDGES))
+# The event loop of every test server: the server's own choice (uvloop when installed), or asyncio's
+# (`ATTNSERVE_TEST_LOOP=asyncio`; .ci/run's second pass), for every `attnserve serve` a test starts too.
+TEST_LOOP = os.environ.get("ATTNSERVE_TEST_LOOP", "auto")
+if TEST_LOOP != "auto":
+    os.environ.setdefault("ATTNSERVE_EVENT_LOOP", TEST_LOOP)
 
 
 def settings(*models: ModelSettings, **fields: Any) -> ServerSettings:
     fields.setdefault("edge_processes", TEST_EDGES)
+    fields.setdefault("event_loop", TEST_LOOP)
     return ServerSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=5.0, models=models or (model(),), **fields)
 
 
 @contextlib.contextmanager
 def running(server_settings: ServerSettings, **kwargs: Any) -> Iterator[Running]:
     """Starts a real server on its own event loop thread; stops it gracefully afterwards."""
-    loop = asyncio.new_event_loop()
+    loop = loop_factory(server_settings.event_loop)[1]()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = AttnServer(server_settings, **kwargs)

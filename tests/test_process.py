@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
 
-from conftest import Running
+from conftest import TEST_LOOP, Running
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -90,7 +90,9 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
         with pytest.raises(AttnServeError) as err:
             c.attend(x, timeout_s=2)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "shutting down" in server.proc.stderr.read()
+    log = server.proc.stderr.read()
+    assert "shutting down" in log
+    assert f"event loop: {'asyncio' if TEST_LOOP == 'asyncio' else 'uvloop'}" in log  # uvloop: the server extra's
 
 
 def test_sigterm_under_load_answers_every_call_ok_or_unavailable_never_cancelled(server_process) -> None:

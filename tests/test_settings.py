@@ -120,3 +120,22 @@ def test_auto_dtype_is_bfloat16_on_gpus_only_and_float32_otherwise() -> None:
     assert resolve_dtype("auto", [gpu, cpu]) == "float32"  # a CPU worker among them
     assert resolve_dtype("auto", [cpu]) == "float32" and resolve_dtype("auto") == "float32"
     assert resolve_dtype("float16", [gpu]) == "float16"  # what is asked for stays
+
+
+def test_the_event_loop_is_uvloop_when_installed_asyncio_when_asked_and_a_clear_error_otherwise(monkeypatch) -> None:
+    import asyncio
+    import sys
+
+    import uvloop
+
+    from attnserve_server.errors import ConfigError
+    from attnserve_server.eventloop import loop_factory
+
+    assert loop_factory("auto") == ("uvloop", uvloop.new_event_loop)  # the server extra installs it
+    assert loop_factory("asyncio") == ("asyncio", asyncio.new_event_loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    assert loop_factory("auto")[0] == "asyncio"
+    with pytest.raises(ConfigError, match="event_loop: uvloop is not installed"):
+        loop_factory("uvloop")
+    with pytest.raises(ConfigError, match="event_loop: expected one of"):
+        loop_factory("trio")

@@ -140,6 +140,7 @@ async def _serve(settings: Any) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from attnserve_server.errors import ConfigError
+    from attnserve_server.eventloop import loop_factory
     from attnserve_server.settings import load_settings, misspelt_variables
 
     try:
@@ -158,7 +159,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(_serve(settings))
+        name, factory = loop_factory(settings.event_loop)
+        logging.getLogger("attnserve").info("event loop: %s", name)
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(_serve(settings))
     except ConfigError as exc:  # weights that do not fit the config surface while loading
         print(f"attnserve: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -99,6 +99,7 @@ class ServerSettings:
     edge_processes: int = 1
     # float32 matrix products on CUDA in TF32 (faster, ~10 bits of mantissa): off unless asked for.
     allow_tf32: bool = False
+    event_loop: str = "auto"  # auto (uvloop when installed), uvloop or asyncio: eventloop.py
     edge_arena_bytes: int = 64 * 1024 * 1024  # shared memory per edge for requests' tensors in flight
     models: tuple[ModelSettings, ...] = (ModelSettings(),)
 
@@ -151,6 +152,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "gRPC edge processes sharing the port in front of one engine process; 1: one process (default 1)",
     ),
+    Option("event-loop", "server", str, "auto (uvloop when installed), uvloop or asyncio (default auto)"),
     Option("allow-tf32", "server", bool, "float32 models on CUDA multiply in TF32, true or false (default false)"),
     Option("edge-arena-bytes", "server", int, "shared memory per edge process for tensors in flight (default 64 MiB)"),
     Option("model-name", "model", str, "name of the model (default 'default')"),
@@ -281,6 +283,7 @@ _NOT_SETTINGS = {
     "ATTNSERVE_TORCH",
     "ATTNSERVE_TEST_DEVICE",
     "ATTNSERVE_TEST_EDGES",
+    "ATTNSERVE_TEST_LOOP",
     "ATTNSERVE_ARGS",
     "ATTNSERVE_TOKEN",
 }
@@ -376,6 +379,10 @@ def validate(settings: ServerSettings) -> None:
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(
+        settings.event_loop in ("auto", "uvloop", "asyncio"),
+        f"event_loop: expected auto, uvloop or asyncio, got {settings.event_loop!r}",
+    )
     _check(settings.edge_processes >= 1, f"edge_processes: expected >= 1, got {settings.edge_processes}")
     _check(
         settings.edge_arena_bytes >= 1 << 20, f"edge_arena_bytes: expected >= 1048576, got {settings.edge_arena_bytes}"

@@ -26,6 +26,7 @@ from attnserve_server.batching import BatchLimits, refusal
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, ServingError
+from attnserve_server.eventloop import CHOICES, loop_factory
 from attnserve_server.metrics import InferenceStats, Metrics, ModelMetrics
 from attnserve_server.multiprocess import link
 from attnserve_server.settings import ModelSettings, ServerSettings
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="an attnserve edge process (started by `attnserve serve`)")
     for name in ("link", "snapshots", "arena", "arena-bytes", "board", "index"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--event-loop", default="auto", choices=CHOICES)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -299,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the front can reload its TLS files on it
-    return asyncio.run(run(args.link, args.snapshots, args.arena, args.arena_bytes, args.board, args.index))
+    _, factory = loop_factory(args.event_loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run(args.link, args.snapshots, args.arena, args.arena_bytes, args.board, args.index))
 
 
 if __name__ == "__main__":

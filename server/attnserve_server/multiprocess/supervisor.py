@@ -80,7 +80,7 @@ class Edge:
         command = [sys.executable, "-m", "attnserve_server.multiprocess.edge_process", "--index", str(index)]
         for flag, value in zip(("--link", "--snapshots", "--arena", "--board"), fds, strict=True):
             command += [flag, str(value)]
-        command += ["--arena-bytes", str(size)]
+        command += ["--arena-bytes", str(size), "--event-loop", supervisor.settings.event_loop]
         # In the engine's process group (a group kill reaches it), but it ignores SIGINT and SIGTERM:
         # the engine drains it (see edge_process.main).
         self.process = subprocess.Popen(command, pass_fds=fds)
