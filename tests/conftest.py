@@ -90,6 +90,8 @@ TEST_DEVICE = os.environ.get("ATTNSERVE_TEST_DEVICE", "cpu")
 def model(name: str = "default", **fields: Any) -> ModelSettings:
     batching = {k: fields.pop(k) for k in list(fields) if k in BatchingSettings.__dataclass_fields__}
     fields.setdefault("device", (TEST_DEVICE,))
+    # float32 unless a test asks: on CUDA `auto` would be bfloat16, and the suites compare with fp32.
+    fields.setdefault("dtype", "float32")
     return replace(ModelSettings(name=name, **fields), batching=BatchingSettings(**batching))
 
 
