@@ -52,7 +52,7 @@ class AttentionCompute:
             zeros = p.packed.new_zeros  # type: ignore[union-attr]
             self._qkv_bias = p.packed_bias if p.packed_bias is not None else zeros(3 * e)
             self._out_bias = p.out_bias if p.out_bias is not None else zeros(e)
-        self._causal: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._causal: dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor] = {}
 
     def _fused_mask(
         self, key_padding: torch.Tensor | None, causal: bool, query: torch.Tensor
@@ -66,10 +66,13 @@ class AttentionCompute:
             padding.masked_fill_(key_padding, float("-inf"))
         if not causal:
             return padding, None if padding is None else 1
-        key = (length, query.dtype, query.device)
+        # Per stream too: a CUDA worker's lanes run on streams of their own, and a mask made on one
+        # stream is not ready on another.
+        stream = torch.cuda.current_stream(query.device).cuda_stream if query.is_cuda else 0
+        key = (length, query.dtype, query.device, stream)
         future = self._causal.get(key)
         if future is None:
-            # Cached per length (the worker's thread alone uses it); cleared if lengths keep changing.
+            # Cached per length; cleared if lengths keep changing.
             if len(self._causal) >= 64:
                 self._causal.clear()
             blocked = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)

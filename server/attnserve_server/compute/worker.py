@@ -104,6 +104,10 @@ class DeviceWorker:
         )
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device)
+        if self._cuda:
+            # The weights and biases were made on the device's default stream; the lanes' streams
+            # do not wait for it.
+            torch.cuda.synchronize(device)
         if self._cuda and spec.cuda_graphs:
             capture_lock = threading.Lock()
             for lane in self._lanes:
