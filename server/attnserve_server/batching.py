@@ -196,14 +196,17 @@ class Batcher(Generic[T, R]):
         """Calls `listener(depth, queued bytes, closing)` now and after every change of them: an
         engine publishes them to its edge processes, which then refuse as `check_admission` would."""
         self._listeners.append(listener)
-        listener(self._depth, self._queued_bytes, self._closing)
+        self._tell_listeners()
 
     def _set_depth(self, depth: int) -> None:
         self._depth = depth
         self._observer.queue_depth(depth)
         self._changed.set()
+        self._tell_listeners()
+
+    def _tell_listeners(self) -> None:
         for listener in self._listeners:
-            listener(depth, self._queued_bytes, self._closing)
+            listener(self._depth, self._queued_bytes, self._closing)
 
     def _remove(self, entry: _Entry[T]) -> None:
         group = self._groups[entry.group]
@@ -346,7 +349,7 @@ class Batcher(Generic[T, R]):
         """
         self._closing = True
         self._arrived.set()
-        self._set_depth(self._depth)  # tells the listeners
+        self._tell_listeners()
 
         async def settled() -> None:
             # _running still holds a task until just after its done-callback runs.

@@ -383,9 +383,6 @@ class FastHistogram:
         self.counts[bisect_left(self.bounds, value)] += 1  # le: a value on a bound counts in it
         self.sum += value
 
-    def buckets(self) -> list[tuple[str, int]]:
-        return _cumulative(self.bounds, list(self.counts))
-
 
 class _RequestPathCollector(Collector):
     """Exports the request path's plain-number series of every model at scrape time, summed over

@@ -132,10 +132,9 @@ class GrpcFront:
         await self.server.start()
         return self.port
 
-    async def stop(self, deadline: float) -> bool:
+    async def stop(self, deadline: float) -> None:
         """A moment more of UNAVAILABLE answers for calls already on their way (the models have
         drained), then gRPC stops: the answers in flight go out before `deadline` (loop clock)."""
         loop = asyncio.get_running_loop()
         await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
         await self.server.stop(max(0.0, deadline - loop.time()))
-        return True

@@ -1,7 +1,7 @@
 """An edge process: the gRPC front on the shared port, its models reached through the engine.
 
-Started by the engine (`supervisor.EdgeSupervisor`) with three inherited descriptors: the message
-socket, the metrics-snapshot socket and the payload arena. Imports no torch. It serves until the
+Started by the engine (`supervisor.EdgeSupervisor`) with four inherited descriptors: the message
+socket, the metrics-snapshot socket, the payload arena and the admission board. Imports no torch. It serves until the
 engine says STOP (a graceful drain: exit 0) or until the engine goes away (every request waiting
 on it is answered UNAVAILABLE at once, then exit 1).
 """

@@ -1,10 +1,11 @@
 """What an engine and its edge processes share: the message channel, the payload arena, the codes.
 
 Per edge, the engine makes a socket pair for messages, a second one for metrics snapshots and a
-memfd for payloads, and passes all three to the edge process it starts. Messages are small pickled
-tuples (descriptors, never tensor payloads); tensors cross through the arena, which both processes
-map: the edge allocates a region per request, writes the request's tensors there and leaves room
-for its answer; the engine reads the tensors in place and writes the answer into that room.
+memfd for payloads, and passes them, with the admission board's memfd, to the edge process it
+starts. Messages are small pickled tuples (descriptors, never tensor payloads); tensors cross
+through the arena, which both processes map: the edge allocates a region per request, writes the
+request's tensors there and leaves room for its answer; the engine reads the tensors in place and
+writes the answer into that room.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from attnserve_server.domain import BatchReport
 
 # edge -> engine
 READY = 1  # (READY,): the edge serves its port
-FATAL = 2  # (FATAL, message): the edge cannot start
+FATAL = 2  # (FATAL, error class name, message): the edge cannot start
 SUBMIT = 3  # (SUBMIT, id, model, Submission): see edge_process.RemoteModel.submit
 CANCEL = 4  # (CANCEL, id): its caller went away
 STATS = 5  # (STATS, id, model names): KServe statistics, summed over every process
@@ -58,10 +59,6 @@ class Channel(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         _, channel = await loop.connect_accepted_socket(lambda: cls(on_message, on_lost), sock)
         return channel
-
-    @property
-    def open(self) -> bool:
-        return self._transport is not None and not self._transport.is_closing()
 
     def connection_made(self, transport) -> None:
         self._transport = transport
@@ -178,10 +175,6 @@ class Ring:
         self._live: deque[list] = deque()  # [start, end, freed], oldest first
         self._by_start: dict[int, list] = {}
         self._head = 0  # where the next region starts
-
-    @property
-    def used(self) -> int:
-        return sum(r[1] - r[0] for r in self._live if not r[2])
 
     def take(self, n: int) -> int | None:
         """The start of a free region of `n` bytes, or None when none is free now."""

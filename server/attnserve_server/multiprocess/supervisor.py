@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 
 from attnserve_server.domain import AttentionRequest, HostTensor
-from attnserve_server.errors import ConfigError, ModelNotFound, PortUnavailable, ServingError, status_of
+from attnserve_server.errors import ConfigError, PortUnavailable, ServingError, status_of
 from attnserve_server.metrics import Duration, InferenceStats, RequestPathSnapshot, merge_snapshots
 from attnserve_server.model import ServedModel
 from attnserve_server.multiprocess import link
@@ -156,9 +156,7 @@ class Edge:
 
     async def _answer(self, rid: int, model: str, sub: link.Submission) -> None:
         try:
-            served = self._sup.models.get(model)
-            if served is None:
-                raise ModelNotFound(f"model: no model named {model!r}")
+            served = self._sup.models[model]  # the edge found it among the models the engine sent
             served.check_admission()
             key = None if sub.key is None else self._tensor(sub.key)
             tracing = self._sup.tracing
