@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnserve_server import openmp
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -70,19 +71,30 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
         assert w1 is None and w2 is None
 
 
-def test_a_small_cpu_batch_runs_on_one_thread_and_a_large_one_on_all() -> None:
-    # Waking torch's other OpenMP threads costs more than they save on tiny batches (worker.py).
+def test_a_cpu_worker_runs_every_batch_on_its_configured_threads() -> None:
+    # With libgomp's short spin (openmp.py) two threads beat one even on a single sequence.
     w = worker(torch_threads=2)
     try:
         rng = np.random.default_rng(0)
-        # On the worker's own thread, as the server runs batches (OpenMP counts threads per thread).
-        w.executor.submit(w.run, [request(rng.standard_normal((1, 4, 16), dtype=np.float32))]).result()
-        assert w.executor.submit(torch.get_num_threads).result() == 1
-        large = [request(rng.standard_normal((64, 64, 16), dtype=np.float32))]  # 64 x 64 x 16 >= the threshold
-        w.executor.submit(w.run, large).result()
-        assert w.executor.submit(torch.get_num_threads).result() == 2
+        for shape in ((1, 4, 16), (64, 64, 16)):
+            w.executor.submit(w.run, [request(rng.standard_normal(shape, dtype=np.float32))]).result()
+            # On the worker's own thread, as the server runs batches (OpenMP counts threads per thread).
+            assert w.executor.submit(torch.get_num_threads).result() == 2
     finally:
         w.close()
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ({"GOMP_SPINCOUNT": "50000"}, {"GOMP_SPINCOUNT": "50000"}),
+    ],
+)
+def test_the_server_spins_openmp_briefly_unless_the_operator_chose(environ, expected) -> None:
+    openmp.set_defaults(environ)
+    assert environ == expected
 
 
 def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() -> None:

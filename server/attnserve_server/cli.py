@@ -11,6 +11,7 @@ import signal
 import sys
 from typing import Any
 
+from attnserve_server import openmp
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.settings import OPTIONS
 
@@ -150,9 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     for warning in misspelt_variables(os.environ):
         print(f"attnserve: warning: {warning}", file=sys.stderr)
-    # libgomp's worker threads spin between parallel regions by default; in a server they
-    # would spin against the gRPC and event-loop threads. Must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads (openmp.py says why).
+    openmp.set_defaults(os.environ)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

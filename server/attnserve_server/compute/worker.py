@@ -38,13 +38,6 @@ class _CudaPhases:
         return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
 
 
-# Below this much work (sequences x query length x embed_dim) a CPU batch runs on one intra-op thread:
-# waking torch's other OpenMP threads costs more than they save. Measured on W1 (E=256, L=64, 2 cores,
-# OMP_WAIT_POLICY=PASSIVE): 1 sequence 393 us on 1 thread vs 536 on 2; 2 sequences even (761 vs 750);
-# 4 sequences 1509 vs 1235; 16 sequences 9036 vs 5467 (BENCHMARKS.md).
-SMALL_BATCH_WORK = 2 * 64 * 256
-
-
 # On CUDA a worker runs this many batches at once, each on a lane of its own (a thread, a stream and
 # pinned buffers): while one batch computes, the next is staged and copied in (double buffering).
 CUDA_LANES = 2
@@ -112,8 +105,6 @@ class DeviceWorker:
             capture_lock = threading.Lock()
             for lane in self._lanes:
                 lane.graphs = GraphedAttention(self._compute, device, self.dtype, spec.max_batch_size, capture_lock)
-        self._threads: int | None = None  # the worker thread's intra-op threads, read on its first batch
-        self._threads_now = 0
 
     def _start_thread(self) -> None:
         """Each executor thread takes a lane of its own for good."""
@@ -124,15 +115,6 @@ class DeviceWorker:
     def pinned_bytes(self) -> int:
         """Page-locked host memory the worker holds (0 on the CPU)."""
         return sum(lane.pinned_bytes() for lane in self._lanes)
-
-    def _fit_threads(self, work: int) -> None:
-        """One intra-op thread for a small CPU batch, the configured count otherwise (0.1 us to switch)."""
-        if self._threads is None:
-            self._threads = torch.get_num_threads()
-        wanted = 1 if work < SMALL_BATCH_WORK else self._threads
-        if wanted != self._threads_now:
-            torch.set_num_threads(wanted)
-            self._threads_now = wanted
 
     def _to_host(self, slab: Slab | None, t: torch.Tensor | None) -> np.ndarray | None:
         """The batch's result on the host as numpy: one device-to-host copy into a reused pinned slab."""
@@ -154,8 +136,6 @@ class DeviceWorker:
         n = sum(r.sequences for r in requests)
         length = max(r.query_len for r in requests)
         s = max(r.key_len for r in requests)
-        if not self._cuda:
-            self._fit_threads(n * length * self.spec.embed_dim)
         stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             # 1. stage inputs, padded to the batch's longest query and key

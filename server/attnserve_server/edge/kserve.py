@@ -79,10 +79,13 @@ def _timeout_s(msg: v2.ModelInferRequest) -> float | None:
     return micros / 1e6
 
 
+_READ = (*FLAGS, TIMEOUT, *IGNORED)
+
+
 def _check_parameters(msg: v2.ModelInferRequest) -> None:
     for name in msg.parameters:
-        if name not in (*FLAGS, TIMEOUT, *IGNORED):
-            known = ", ".join((*FLAGS, TIMEOUT, *IGNORED))
+        if name not in _READ:
+            known = ", ".join(_READ)
             raise InvalidArgument(f"parameters[{clip(name)}]: not a parameter attnserve reads; it reads {known}")
 
 

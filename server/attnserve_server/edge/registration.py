@@ -75,7 +75,8 @@ async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) 
 
 def _unary(handler, method: str, auth: TokenAuth | None):
     async def unary(request, context: grpc.aio.ServicerContext):
-        await _authorise(auth, context)
+        if auth is not None:
+            await _authorise(auth, context)
         if isinstance(request, Undecodable):
             note_undecodable(request, context.peer(), method)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)

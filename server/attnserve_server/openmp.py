@@ -1,0 +1,23 @@
+"""The OpenMP environment torch's CPU kernels run under in the server, set before torch loads.
+
+torch's CPU wheels use GNU OpenMP (libgomp), which reads its environment once, when it loads.
+By default its threads spin for a long while (GOMP_SPINCOUNT 300,000 pause loops) after every
+parallel region: in a server they would spin against the gRPC and event-loop threads. Sleeping at
+once (OMP_WAIT_POLICY=PASSIVE) costs a wake-up at every region instead, which made two threads
+slower than one on a small batch. A short spin keeps a forward pass's threads awake from one region
+to the next and lets them sleep between batches. Measured on W1, 2 cores (BENCHMARKS.md): one
+sequence 344 us on 2 threads against 529 passive and 405 on one thread; 4 sequences 1041 against
+1263; concurrency-1 p50 0.96 ms against 1.13, concurrency 32 unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+SPIN_COUNT = "1000"  # libgomp's pause loops before a waiting thread sleeps: ~20-50 us
+
+
+def set_defaults(environ: MutableMapping[str, str]) -> None:
+    """A short spin unless the operator chose a wait policy or a spin count."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = SPIN_COUNT
