@@ -5,7 +5,7 @@
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
-#   SPY=0 scripts/profile.sh        no py-spy: only throughput and the server's CPU time per request
+#   SPY=0 scripts/profile.sh        no py-spy: throughput and the server's CPU time per request, by thread
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
 # Requests per second come from perf_analyzer's own count over its whole window.
 set -euo pipefail
@@ -46,8 +46,15 @@ LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-d
 LOAD=$!
 # utime + stime of every thread of the server process and of its children (edge processes)
 cpu_ticks() { for p in $PID $(pgrep -P "$PID"); do awk '{print $14 + $15}' "/proc/$p/stat"; done | awk '{s += $1} END {print s}'; }
+# the same per thread: "pid/tid name ticks" (a name's spaces as _)
+thread_ticks() {
+  for p in $PID $(pgrep -P "$PID"); do
+    for t in /proc/"$p"/task/*; do echo "$p/${t##*/} $(tr ' ' _ <"$t/comm") $(awk '{print $14 + $15}' "$t/stat")"; done
+  done | sort
+}
 sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks)
+thread_ticks >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
   py-spy record --pid "$PID" --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
     -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
@@ -55,6 +62,7 @@ else
   sleep "$SECONDS_SPY"
 fi
 t1=$(date +%s.%N) c1=$(cpu_ticks)
+thread_ticks >"$OUT/threads-1.txt"
 wait $LOAD || true
 rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail -n 1)
 [ -n "$rate" ] || { cat "$OUT/perf_analyzer.log"; exit 1; }
@@ -63,6 +71,10 @@ echo "perf_analyzer: $rate req/s at concurrency $CONC ($MODE); about $requests r
 python3 -c "import sys; t0, t1, c, r, hz = map(float, sys.argv[1:]); t = t1 - t0
 print(f'server processes: {c / hz / t:.2f} cores busy, {1e6 * c / hz / (r * t):.0f} us CPU per request')" \
   "$t0" "$t1" "$((c1 - c0))" "$rate" "$(getconf CLK_TCK)" | tee -a "$OUT/summary.md"
+# CPU per request of each thread (without py-spy, the undisturbed figures)
+join "$OUT/threads-0.txt" "$OUT/threads-1.txt" | awk -v hz="$(getconf CLK_TCK)" -v r="$rate" -v t="$(python3 -c "print($t1 - $t0)")" \
+  'BEGIN {print "| thread | us CPU per request |"; print "| --- | ---: |"}
+   $5 > $3 {printf "| %s (%s) | %.0f |\n", $2, $1, 1e6 * ($5 - $3) / hz / (r * t)}' | tee -a "$OUT/summary.md"
 [ "${SPY:-1}" = 1 ] && "$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
 grep -E "Throughput|p50 latency|p99 latency" "$OUT/perf_analyzer.log" | tee -a "$OUT/summary.md" || true
 echo "profile in $OUT"
