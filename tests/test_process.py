@@ -93,6 +93,9 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
     log = server.proc.stderr.read()
     assert "shutting down" in log
     assert f"event loop: {'asyncio' if TEST_LOOP == 'asyncio' else 'uvloop'}" in log  # uvloop: the server extra's
+    # serve's own OpenMP default, unless this environment chose one (openmp.py)
+    chosen = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    assert f"OpenMP: {', '.join(chosen) or 'GOMP_SPINCOUNT=1000'}" in log
 
 
 def test_sigterm_under_load_answers_every_call_ok_or_unavailable_never_cancelled(server_process) -> None:

@@ -93,8 +93,9 @@ def test_a_cpu_worker_runs_every_batch_on_its_configured_threads() -> None:
     ],
 )
 def test_the_server_spins_openmp_briefly_unless_the_operator_chose(environ, expected) -> None:
-    openmp.set_defaults(environ)
+    in_effect = openmp.set_defaults(environ)
     assert environ == expected
+    assert in_effect == ", ".join(f"{k}={v}" for k, v in expected.items())
 
 
 def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() -> None:

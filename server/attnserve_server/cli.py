@@ -152,12 +152,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in misspelt_variables(os.environ):
         print(f"attnserve: warning: {warning}", file=sys.stderr)
     # Before torch loads (openmp.py says why).
-    openmp.set_defaults(os.environ)
+    omp = openmp.set_defaults(os.environ)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("attnserve").info("OpenMP: %s", omp)
     try:
         name, factory = loop_factory(settings.event_loop)
         logging.getLogger("attnserve").info("event loop: %s", name)

@@ -21,7 +21,8 @@ from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
-# (spec, weights on the CPU, device, torch_threads) -> a worker with run(), warmup(), close(), executor, name.
+# (spec, weights on the CPU, device, torch_threads) -> a worker with run(), warmup(), close(), executor,
+# name, lanes and pinned_bytes().
 WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
 
 

@@ -17,7 +17,12 @@ from collections.abc import MutableMapping
 SPIN_COUNT = "1000"  # libgomp's pause loops before a waiting thread sleeps: ~20-50 us
 
 
-def set_defaults(environ: MutableMapping[str, str]) -> None:
-    """A short spin unless the operator chose a wait policy or a spin count."""
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def set_defaults(environ: MutableMapping[str, str]) -> str:
+    """A short spin unless the operator chose a wait policy or a spin count; returns the setting in
+    effect, for the log ("GOMP_SPINCOUNT=1000")."""
+    if not any(name in environ for name in _VARIABLES):
         environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return ", ".join(f"{name}={environ[name]}" for name in _VARIABLES if name in environ)
