@@ -127,6 +127,30 @@ def test_the_next_batch_reaches_the_runner_before_the_last_batchs_callers_wake()
     run(main())
 
 
+def test_a_request_that_finds_a_runner_free_reaches_it_in_its_own_step() -> None:
+    # No batching task to wake: with no delay, the caller's own step hands the batch to the runner,
+    # so an idle server adds no loop iteration between receipt and compute.
+    called: list[list[object]] = []
+
+    async def runner(items: list[object]) -> list[object]:
+        return items
+
+    def recording(items: list[object]):
+        called.append(list(items))
+        return runner(items)
+
+    async def main() -> None:
+        b = Batcher([recording], limits())
+        b.start()
+        pending = submit(b, "a")
+        await asyncio.sleep(0)  # one loop iteration: the submit task runs its first step
+        assert called == [["a"]] and b.depth == 0
+        assert await pending == "a"
+        await b.close()
+
+    run(main())
+
+
 def test_a_batch_closes_before_its_memory_estimate_passes_the_budget() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -5,6 +5,7 @@ with the oldest waiting request, takes the requests behind it that run the same
 computation (same group), and closes when it reaches max_batch_size sequences or
 max_batch_tokens padded tokens, or max_queue_delay after its first request arrived.
 While every runner is busy, requests simply queue, so batches grow with load.
+There is no batching task: batches form in the callbacks of the events that allow them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 Runner = Callable[[list[T]], Awaitable[list[R]]]
 log = logging.getLogger(__name__)
-
-
-async def _failed(exc: Exception):
-    raise exc
 
 
 @dataclass(frozen=True)
@@ -95,23 +92,31 @@ class _Entry(Generic[T]):
 
 
 class Batcher(Generic[T, R]):
-    """Admits items, batches them, runs each batch on a free runner, answers every caller."""
+    """Admits items, batches them, runs each batch on a free runner, answers every caller.
+
+    Event-driven, with no task of its own: a batch forms when something changes what could run
+    (an item arrives, a runner frees, a batch's delay ends, a drain starts), inside that event's
+    own callback. So a request that finds a runner free reaches it in its caller's step, and a
+    runner that finishes gets its next batch before the finished batch's callers are woken.
+    """
 
     def __init__(self, runners: Sequence[Runner], limits: BatchLimits, observer: BatchObserver | None = None) -> None:
         if not runners:
             raise ValueError("a batcher needs at least one runner")
-        self._runners = list(runners)
         self._limits = limits
         self._observer = observer or _NoObserver()
         self._groups: dict[Hashable, deque[_Entry[T]]] = {}
         self._depth = 0
         self._queued_bytes = 0
         self._closing = False
-        self._arrived = asyncio.Event()
-        self._idle: asyncio.Queue[Runner] = asyncio.Queue()
-        self._running: set[asyncio.Task] = set()
+        self._started = False
+        self._stopped = False  # closed: no batch starts any more
+        self._free: list[Runner] = list(runners)
+        # each batch in flight: the runner's future -> (the runner, the batch's entries)
+        self._running: dict[asyncio.Future, tuple[Runner, list[_Entry[T]]]] = {}
         self._changed = asyncio.Event()  # set whenever depth or running batches change
-        self._loop_task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None  # ends the head batch's delay
+        self._timer_at = 0.0
         self._broken: ServingError | None = None
         self._listeners: list[Callable[[int, int, bool], None]] = []
 
@@ -120,18 +125,8 @@ class Batcher(Generic[T, R]):
         return self._depth
 
     def start(self) -> None:
-        for runner in self._runners:
-            self._idle.put_nowait(runner)
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
-        self._loop_task.add_done_callback(self._loop_ended)
-
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        # A bug that kills the loop must not leave callers waiting forever.
-        if task.cancelled() or task.exception() is None:
-            return
-        log.critical("the batching loop died", exc_info=task.exception())
-        self._broken = ServingError(f"the model's batcher stopped: {task.exception()!r}")
-        self._fail_queued(self._broken)
+        self._started = True
+        self._pump()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -165,7 +160,7 @@ class Batcher(Generic[T, R]):
         self._groups.setdefault(group, deque()).append(entry)
         self._queued_bytes += nbytes
         self._set_depth(self._depth + 1)
-        self._arrived.set()
+        self._pump()
         # The one expiry mechanism: a timer at the deadline, which works whether or not a batch
         # forms or an RPC deadline cancels the caller (KServe's `timeout` parameter has no RPC one).
         timer = loop.call_at(deadline, self._expire_entry, entry) if expire and deadline is not None else None
@@ -245,85 +240,96 @@ class Batcher(Generic[T, R]):
             entry.future.set_exception(DeadlineExpired("the request's deadline passed while it waited in the queue"))
             self._observer.dropped("deadline_exceeded")
 
-    async def _next_batch(self) -> list[_Entry[T]]:
-        loop = asyncio.get_running_loop()
-        while True:
-            head = self._oldest()
-            if head is None:
-                self._arrived.clear()
-                await self._arrived.wait()
-                continue
-            close_at = head.enqueued + self._limits.max_queue_delay_s
-            while not self._closing and not self._plan(head.group)[1]:
-                remaining = close_at - loop.time()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    break
-            count, _ = self._plan(head.group)
-            if count:
-                # Depth first: if reporting it fails, the loop dies with the entries still
-                # queued, and _loop_ended fails them instead of losing them.
-                group = self._groups[head.group]
-                self._queued_bytes -= sum(group[i].nbytes for i in range(count))
-                self._set_depth(self._depth - count)
-                batch = [group.popleft() for _ in range(count)]
-                if not group:
-                    del self._groups[head.group]
-                for entry in batch:
-                    entry.queued = False
-                return batch
-
-    async def _loop(self) -> None:
-        while True:
-            runner = await self._idle.get()
-            try:
-                batch = await self._next_batch()
-            except BaseException:
-                self._idle.put_nowait(runner)
-                raise
-            started = asyncio.get_running_loop().time()
-            self._observer.batch_started(len(batch), [started - e.enqueued for e in batch])
-            # Called here, not in the task: a runner that submits its work when called (the model's
-            # does, to its device thread) has the batch on the device before this loop yields.
-            try:
-                pending = runner([e.item for e in batch])
-            except Exception as exc:
-                pending = _failed(exc)
-            task = asyncio.get_running_loop().create_task(self._run(runner, batch, pending))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    async def _run(self, runner: Runner, batch: list[_Entry[T]], pending: Awaitable[list[R]]) -> None:
-        released = False
+    def _pump(self, due_by: float = 0.0) -> None:
+        """Hands free runners every batch that may run now; if the oldest may not yet (it is not
+        full and its delay has not passed), arms a timer for its delay. `due_by`: a timer's time,
+        due however the loop's clock rounds."""
+        if not self._started or self._stopped or self._broken is not None:
+            return
         try:
-            try:
-                results = await pending
-                if len(results) != len(batch):
-                    raise RuntimeError(f"runner returned {len(results)} results for {len(batch)} requests")
-            except asyncio.CancelledError:
-                self._fail(batch, ShuttingDown("the server stopped while this request ran"))
-                raise
-            except Exception as exc:
-                log.exception("batch of %d requests failed", len(batch))
-                self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
+            loop = asyncio.get_running_loop()
+            while self._free and self._groups:
+                head = self._oldest()
+                assert head is not None
+                count, full = self._plan(head.group)
+                close_at = head.enqueued + self._limits.max_queue_delay_s
+                if not (full or self._closing or close_at <= max(loop.time(), due_by)):
+                    self._arm(loop, close_at)
+                    return
+                self._launch(self._free.pop(), head.group, count)
+        except Exception as exc:  # a bug here must fail the waiting callers, never strand them
+            self._die(exc)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            if self._timer_at == at:
                 return
-            # Free the runner and yield once before waking this batch's callers: the batching loop,
-            # woken first, hands the runner its next batch, so the device computes while this loop
-            # encodes and sends the answers, instead of waiting for all of them.
-            self._idle.put_nowait(runner)
-            released = True
-            await asyncio.sleep(0)
-            for entry, result in zip(batch, results, strict=True):
-                if not entry.future.done():  # the caller may have gone while it ran
-                    entry.future.set_result(result)
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._delay_ended, at), at
+
+    def _delay_ended(self, at: float) -> None:
+        self._timer = None
+        self._pump(due_by=at)
+
+    def _launch(self, runner: Runner, key: Hashable, count: int) -> None:
+        group = self._groups[key]
+        # Depth first: if reporting it fails, the entries are still queued and _die fails them.
+        self._queued_bytes -= sum(group[i].nbytes for i in range(count))
+        self._set_depth(self._depth - count)
+        batch = [group.popleft() for _ in range(count)]
+        if not group:
+            del self._groups[key]
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for entry in batch:
+            entry.queued = False
+        self._observer.batch_started(len(batch), [now - e.enqueued for e in batch])
+        try:
+            # A runner that submits its work when called (the model's does, to its device thread)
+            # has the batch on the device before this returns.
+            pending = asyncio.ensure_future(runner([e.item for e in batch]))
+        except Exception as exc:
+            pending = loop.create_future()
+            pending.set_exception(exc)
+        self._running[pending] = (runner, batch)
+        pending.add_done_callback(self._finished)
+
+    def _finished(self, pending: asyncio.Future) -> None:
+        runner, batch = self._running.pop(pending)
+        # The runner's next batch first, so the device computes while the loop answers this one.
+        self._free.append(runner)
+        try:
+            self._pump()
         finally:
-            if not released:
-                self._idle.put_nowait(runner)
+            self._answer(pending, batch)
             self._changed.set()
+
+    def _answer(self, pending: asyncio.Future, batch: list[_Entry[T]]) -> None:
+        if pending.cancelled():
+            self._fail(batch, ShuttingDown("the server stopped while this request ran"))
+            return
+        exc = pending.exception()
+        results = pending.result() if exc is None else None
+        if results is not None and len(results) != len(batch):
+            exc = RuntimeError(f"runner returned {len(results)} results for {len(batch)} requests")
+        if exc is not None:
+            log.error("batch of %d requests failed", len(batch), exc_info=exc)
+            self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
+            return
+        for entry, result in zip(batch, results, strict=True):  # type: ignore[arg-type]
+            if not entry.future.done():  # the caller may have gone while it ran
+                entry.future.set_result(result)
+
+    def _die(self, exc: Exception) -> None:
+        log.critical("the batcher failed", exc_info=exc)
+        self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self._fail_queued(self._broken)  # fails every caller first, then reports the depth
+        except Exception:
+            log.exception("reporting the failed queue failed too")
 
     def _fail_queued(self, error: Exception) -> None:
         for group in self._groups.values():
@@ -348,12 +354,11 @@ class Batcher(Generic[T, R]):
         Returns False if work was still pending after `timeout_s`; that work fails UNAVAILABLE.
         """
         self._closing = True
-        self._arrived.set()
         self._tell_listeners()
+        self._pump()
 
         async def settled() -> None:
-            # _running still holds a task until just after its done-callback runs.
-            while self._depth or any(not t.done() for t in self._running):
+            while self._depth or self._running:
                 self._changed.clear()
                 await self._changed.wait()
 
@@ -367,9 +372,13 @@ class Batcher(Generic[T, R]):
 
     async def close(self) -> None:
         """Stops batching; anything still queued or running fails with UNAVAILABLE."""
-        self._closing = True
-        tasks = [t for t in (self._loop_task, *self._running) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._closing = self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        running = list(self._running.items())
+        for pending, (_, batch) in running:
+            self._fail(batch, ShuttingDown("the server stopped while this request ran"))
+            pending.cancel()
+        await asyncio.gather(*(pending for pending, _ in running), return_exceptions=True)
         self._fail_queued(ShuttingDown("the server stopped before this request ran"))
