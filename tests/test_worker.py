@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from attnserve_server import openmp
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.model import spec_from_settings
+from attnserve_server.metrics import Metrics
+from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.settings import ModelSettings
 
 from conftest import output_of, request
@@ -108,3 +113,27 @@ def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() ->
         assert output_of(w.executor.submit(w.run, [request(q)]).result()[0]).shape == (2, 5, 16)
     finally:
         w.close()
+
+
+def test_the_thread_that_loads_the_model_is_gone_once_it_serves() -> None:
+    # A thread that ran a torch parallel region (loading, converting the weights to bf16) keeps an
+    # OpenMP pool while it lives, and a pool beside the worker's doubles a small batch's time
+    # (scripts/omp_pools.py): torch may stay only on the workers' own threads.
+    settings = ModelSettings(embed_dim=16, num_heads=2, device=("cpu",), dtype="bfloat16")
+    builders: list[threading.Thread] = []
+
+    def factory(*args) -> DeviceWorker:
+        builders.append(threading.current_thread())
+        return DeviceWorker(*args)
+
+    model = ServedModel(settings, Metrics(CollectorRegistry()).for_model(settings.name), factory)
+
+    async def main() -> None:
+        await model.load()
+        try:
+            assert builders and builders[0] is not threading.current_thread()
+            assert not builders[0].is_alive()
+        finally:
+            model.close()
+
+    asyncio.run(main())

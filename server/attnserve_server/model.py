@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -95,15 +96,28 @@ class ServedModel:
         self.limits = limits_from_settings(settings)
 
     async def load(self) -> None:
-        """Loads weights, builds one worker per device and warms each up, off the event loop."""
+        """Loads weights, builds one worker per device and warms each up, off the event loop.
+
+        Torch computes only on the workers' threads, and on a loading thread that ends before the
+        model serves: a thread that ran a parallel region keeps an OpenMP pool while it lives, and
+        one more pool beside the worker's doubles a small batch's time (scripts/omp_pools.py).
+        So torch must never compute on the event loop's thread either, here or per request.
+        """
         loop = asyncio.get_running_loop()
         devices = self._devices
-        params = await asyncio.to_thread(load_projections, self.spec, self.settings.weights)
-        for device in devices:
-            worker = await asyncio.to_thread(self._worker_factory, self.spec, params, device, self._torch_threads)
+        loader = ThreadPoolExecutor(1, thread_name_prefix=f"attn-{self.spec.name}-load")
+        try:
+            params = await loop.run_in_executor(loader, load_projections, self.spec, self.settings.weights)
+            for device in devices:
+                worker = await loop.run_in_executor(
+                    loader, self._worker_factory, self.spec, params, device, self._torch_threads
+                )
+                self._workers.append(worker)
+        finally:
+            await asyncio.to_thread(loader.shutdown)  # the thread, and its pool, gone
+        for worker in self._workers:
             # Every lane's thread warms up (submitted at once, each warm-up starts a thread of its own).
             await asyncio.gather(*(loop.run_in_executor(worker.executor, worker.warmup) for _ in range(worker.lanes)))
-            self._workers.append(worker)
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
         # A runner per lane: a CUDA worker takes its next batch while its last one computes.
