@@ -427,6 +427,33 @@ def test_a_dead_batching_loop_fails_waiting_requests_instead_of_leaving_them_han
     run(main())
 
 
+def test_a_failing_batch_report_fails_that_batchs_callers_instead_of_stranding_them() -> None:
+    class BrokenReport(Recorder):
+        armed = False
+
+        def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
+            if self.armed:
+                raise RuntimeError("observer bug")
+            super().batch_started(requests, queue_waits_s)
+
+    async def main() -> None:
+        runner = FakeRunner()
+        observer = BrokenReport()
+        b = Batcher([runner], limits(), observer)
+        blocker = await occupy(b, runner)
+        waiting = submit(b, "waiting")
+        await until(lambda: b.depth == 1)
+        observer.armed = True  # the batch that would take "waiting" fails to report
+        runner.gate.set()
+        await blocker
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await asyncio.wait_for(waiting, 5)
+        assert runner.batches == [["block"]]
+        await b.close()
+
+    run(main())
+
+
 def test_a_queued_request_expires_at_its_deadline_while_every_runner_is_busy() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
@@ -364,19 +365,26 @@ def inprocess_throughput(
         batching=BatchingSettings(max_batch_size=max(info.max_batch_size, batch_requests)),
     )
     spec = spec_from_settings(settings)
-    params = None if info.kind == "sdpa" else random_projections(spec, 0)
-    worker = DeviceWorker(spec, params, torch.device(info.devices[0]), torch_threads)
 
-    def tensor(name: str):
-        if inputs.get(name) is None:
-            return None
-        t = torch.from_numpy(inputs[name]).to(worker.dtype)
-        return host_tensor(t if t.dim() == 3 else t.unsqueeze(0))
+    def build() -> tuple[DeviceWorker, list[AttentionRequest]]:
+        params = None if info.kind == "sdpa" else random_projections(spec, 0)
+        worker = DeviceWorker(spec, params, torch.device(info.devices[0]), torch_threads)
 
-    shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
-    key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
-    request = AttentionRequest(tensor("query"), key, value, None, inputs["causal"], False, False, unbatched=False)
-    batch = [request] * batch_requests
+        def tensor(name: str):
+            if inputs.get(name) is None:
+                return None
+            t = torch.from_numpy(inputs[name]).to(worker.dtype)
+            return host_tensor(t if t.dim() == 3 else t.unsqueeze(0))
+
+        shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
+        key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
+        request = AttentionRequest(tensor("query"), key, value, None, inputs["causal"], False, False, unbatched=False)
+        return worker, [request] * batch_requests
+
+    # Built on a thread that ends here, as the server loads its models: a thread that ran torch keeps
+    # an OpenMP pool while it lives, and one beside the worker's slows it (scripts/omp_pools.py).
+    with ThreadPoolExecutor(1) as loader:
+        worker, batch = loader.submit(build).result()
 
     def measure() -> float:
         worker.warmup()

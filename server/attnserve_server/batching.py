@@ -273,17 +273,17 @@ class Batcher(Generic[T, R]):
 
     def _launch(self, runner: Runner, key: Hashable, count: int) -> None:
         group = self._groups[key]
-        # Depth first: if reporting it fails, the entries are still queued and _die fails them.
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # Reports first: if one fails, the entries are still queued and _die fails them.
+        self._observer.batch_started(count, [now - group[i].enqueued for i in range(count)])
         self._queued_bytes -= sum(group[i].nbytes for i in range(count))
         self._set_depth(self._depth - count)
         batch = [group.popleft() for _ in range(count)]
         if not group:
             del self._groups[key]
-        loop = asyncio.get_running_loop()
-        now = loop.time()
         for entry in batch:
             entry.queued = False
-        self._observer.batch_started(len(batch), [now - e.enqueued for e in batch])
         try:
             # A runner that submits its work when called (the model's does, to its device thread)
             # has the batch on the device before this returns.
