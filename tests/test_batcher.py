@@ -398,47 +398,28 @@ def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
     run(main())
 
 
-def test_a_dead_batching_loop_fails_waiting_requests_instead_of_leaving_them_hanging() -> None:
+@pytest.mark.parametrize("report", ["queue_depth", "batch_started"])
+def test_a_bug_while_a_batch_forms_fails_the_waiting_callers_instead_of_stranding_them(report: str) -> None:
+    # An observer that raises stands for any bug while a batch forms: the batcher stops, and every
+    # caller, waiting or later, gets an error instead of waiting forever.
     class BrokenObserver(Recorder):
         armed = False
 
-        def queue_depth(self, depth: int) -> None:
-            if self.armed:
+        def _check(self, name: str) -> None:
+            if self.armed and name == report:
                 raise RuntimeError("observer bug")
+
+        def queue_depth(self, depth: int) -> None:
+            self._check("queue_depth")
             super().queue_depth(depth)
 
-    async def main() -> None:
-        runner = FakeRunner()
-        observer = BrokenObserver()
-        b = Batcher([runner], limits(), observer)
-        blocker = await occupy(b, runner)
-        waiting = submit(b, "waiting")
-        await until(lambda: b.depth == 1)
-        observer.armed = True  # the loop's next batch reports the depth and dies
-        runner.gate.set()
-        await blocker
-        with pytest.raises(ServingError, match="batcher stopped"):
-            await waiting
-        with pytest.raises(ServingError, match="batcher stopped"):
-            await b.submit("after", sequences=1, length=1, group="g")
-        observer.armed = False
-        await b.close()
-
-    run(main())
-
-
-def test_a_failing_batch_report_fails_that_batchs_callers_instead_of_stranding_them() -> None:
-    class BrokenReport(Recorder):
-        armed = False
-
         def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
-            if self.armed:
-                raise RuntimeError("observer bug")
+            self._check("batch_started")
             super().batch_started(requests, queue_waits_s)
 
     async def main() -> None:
         runner = FakeRunner()
-        observer = BrokenReport()
+        observer = BrokenObserver()
         b = Batcher([runner], limits(), observer)
         blocker = await occupy(b, runner)
         waiting = submit(b, "waiting")
@@ -448,7 +429,10 @@ def test_a_failing_batch_report_fails_that_batchs_callers_instead_of_stranding_t
         await blocker
         with pytest.raises(ServingError, match="batcher stopped"):
             await asyncio.wait_for(waiting, 5)
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await b.submit("after", sequences=1, length=1, group="g")
         assert runner.batches == [["block"]]
+        observer.armed = False
         await b.close()
 
     run(main())
