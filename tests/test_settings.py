@@ -77,6 +77,7 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_MAX_BATCH_TOKENS": "10"}, "cannot hold one sequence of max_query_len 4096"),
         ({"ATTNSERVE_KIND": "sdpa", "ATTNSERVE_KDIM": "8"}, "the bare operation needs kdim == embed_dim"),
         ({"ATTNSERVE_WEIGHTS_FORMAT": "bert"}, "weights.path: format 'bert' needs a file"),
+        ({"ATTNSERVE_EVENT_LOOP": "trio"}, "event_loop: expected one of auto, uvloop, asyncio, got 'trio'"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
+from attnserve_server.eventloop import CHOICES as EVENT_LOOPS
 
 ENV_PREFIX = "ATTNSERVE_"
 # The accepted names come from the tables the server uses them with: one list of each.
@@ -380,8 +381,8 @@ def validate(settings: ServerSettings) -> None:
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(
-        settings.event_loop in ("auto", "uvloop", "asyncio"),
-        f"event_loop: expected auto, uvloop or asyncio, got {settings.event_loop!r}",
+        settings.event_loop in EVENT_LOOPS,
+        f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",
     )
     _check(settings.edge_processes >= 1, f"edge_processes: expected >= 1, got {settings.edge_processes}")
     _check(
