@@ -22,11 +22,11 @@ CASES = ("nowhere", "another thread", "main thread")
 def measure(case: str) -> tuple[float, float]:
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-
     from attnserve_server import openmp
 
-    openmp.set_defaults(os.environ)  # as `attnserve serve` does (before torch loads, in main())
+    openmp.set_defaults(os.environ)  # as `attnserve serve` does: before torch (and libgomp) loads
+    import torch
+
     from attnserve_server.compute.weights import load_projections
     from attnserve_server.compute.worker import DeviceWorker
     from attnserve_server.model import spec_from_settings
