@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import platform
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -10,7 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from attnserve_server import openmp
+from attnserve_server import allocator, openmp
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -101,6 +105,53 @@ def test_the_server_spins_openmp_briefly_unless_the_operator_chose(environ, expe
     in_effect = openmp.set_defaults(environ)
     assert environ == expected
     assert in_effect == ", ".join(f"{k}={v}" for k, v in expected.items())
+
+
+# Where a 64 MiB array's memory comes from: "[heap]" once malloc stops using mmap, an anonymous
+# mapping of its own otherwise (glibc's threshold adapts up to 32 MiB at most).
+_WHERE_64_MIB = """
+import os, sys
+if sys.argv[1] == "tuned":
+    from attnserve_server import allocator
+    allocator.set_defaults(os.environ)
+import numpy as np
+a = np.ones(8 << 20)
+address = a.ctypes.data
+for line in open("/proc/self/maps"):
+    span, *rest = line.split()
+    low, high = (int(x, 16) for x in span.split("-"))
+    if low <= address < high:
+        print(rest[-1] if len(rest) == 5 else "anonymous", os.environ.get("MALLOC_MMAP_MAX_"))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_the_server_keeps_large_buffers_in_its_heap_for_the_next_batch() -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    clean.pop("GLIBC_TUNABLES", None)
+
+    def where(mode: str) -> list[str]:
+        run = subprocess.run([sys.executable, "-c", _WHERE_64_MIB, mode], env=clean, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.split()
+
+    assert where("default") == ["anonymous", "None"]  # mmap'd, and unmapped again when freed
+    # From the heap, and the processes it starts (edge processes) inherit the setting.
+    assert where("tuned") == ["[heap]", "0"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "chosen"),
+    [
+        ({"MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}, "GLIBC_TUNABLES"),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD"),
+    ],
+)
+def test_the_operators_own_malloc_settings_win(environ, chosen) -> None:
+    before = dict(environ)
+    assert allocator.set_defaults(environ) == f"left as set ({chosen})"
+    assert environ == before
 
 
 def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() -> None:

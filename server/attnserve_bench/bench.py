@@ -26,7 +26,7 @@ import numpy as np
 
 from attnserve_bench.process import spawn_serve
 from attnserve_bench.results import Row, plot, table
-from attnserve_server import openmp
+from attnserve_server import allocator, openmp
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 
 
@@ -425,9 +425,10 @@ def _machine() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from attnserve import Client
 
-    # The in-process limit runs under the OpenMP policy the server runs under (see cli.cmd_serve);
-    # set before torch loads in this process.
+    # The in-process limit runs under the OpenMP policy and the malloc settings the server runs
+    # under (see cli.cmd_serve); set before torch loads in this process.
     openmp.set_defaults(os.environ)
+    allocator.set_defaults(os.environ)
 
     # TLS and tokens reach a server given by --target; the servers bench starts are plaintext.
     plain = {"tls": False, "ca": None, "cert": None, "key": None, "token": None}

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from attnserve_server import openmp
+from attnserve_server import allocator, openmp
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.settings import OPTIONS
 
@@ -151,14 +151,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     for warning in misspelt_variables(os.environ):
         print(f"attnserve: warning: {warning}", file=sys.stderr)
-    # Before torch loads (openmp.py says why).
+    # Before torch loads (openmp.py says why), and before the edge processes start (allocator.py).
     omp = openmp.set_defaults(os.environ)
+    malloc = allocator.set_defaults(os.environ)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("attnserve").info("OpenMP: %s", omp)
+    logging.getLogger("attnserve").info("OpenMP: %s; malloc: %s", omp, malloc)
     try:
         name, factory = loop_factory(settings.event_loop)
         logging.getLogger("attnserve").info("event loop: %s", name)
