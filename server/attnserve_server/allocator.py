@@ -5,7 +5,8 @@ By default glibc serves a large allocation (over a threshold that starts at 128 
 of the heap goes back too. A forward pass allocates its activations anew every batch, so every batch
 faulted its pages in again, one at a time: W1's width at L=256, in batches of 1-24 sequences, took
 1925 µs per sequence with 553,000 page faults, and 1425 µs with 13,000 with the settings below
-(scripts/malloc_batches.py); request and answer buffers of 128 KiB and more did the same on the loop.
+(scripts/malloc_batches.py). Request and answer buffers of 128 KiB and more take the same path on the
+event loop (not measured apart).
 `serve` (and `bench`, so that the in-process limit is measured the same way) turns mmap off for
 malloc (M_MMAP_MAX=0), keeps up to 256 MiB free at a heap's top (M_TRIM_THRESHOLD) and 64 MiB spare
 per arena (M_TOP_PAD): freed memory stays in the process for the next batch. The cost: the heap
@@ -54,8 +55,10 @@ def set_defaults(environ: MutableMapping[str, str]) -> str:
         return "left as is (not glibc)"
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    applied = []
     for name, param, variable, value in _SETTINGS:
         if mallopt(param, value) != 1:
-            return f"left as is (mallopt refused {name}={value})"
+            return ", ".join([*applied, f"mallopt refused {name}={value}"])
         environ[variable] = str(value)
-    return ", ".join(f"{name}={value}" for name, _, _, value in _SETTINGS)
+        applied.append(f"{name}={value}")
+    return ", ".join(applied)
