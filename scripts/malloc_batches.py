@@ -24,18 +24,13 @@ CASES = ("glibc default", "serve's settings")
 
 
 def measure(case: str, length: int, embed_dim: int, num_heads: int) -> tuple[float, int, int]:
-    from concurrent.futures import ThreadPoolExecutor
-
     from attnserve_server import allocator, openmp
 
     openmp.set_defaults(os.environ)
     if case == CASES[1]:
         allocator.set_defaults(os.environ)
-    import torch
+    from cpu_worker import cpu_worker
 
-    from attnserve_server.compute.weights import load_projections
-    from attnserve_server.compute.worker import DeviceWorker
-    from attnserve_server.model import spec_from_settings
     from attnserve_server.settings import BatchingSettings, ModelSettings
 
     settings = ModelSettings(
@@ -45,11 +40,7 @@ def measure(case: str, length: int, embed_dim: int, num_heads: int) -> tuple[flo
         max_key_len=length,
         batching=BatchingSettings(max_batch_size=24, max_batch_tokens=24 * length),
     )
-    spec = spec_from_settings(settings)
-    thread = ThreadPoolExecutor(1)
-    worker = thread.submit(
-        lambda: DeviceWorker(spec, load_projections(spec, settings.weights), torch.device("cpu"))
-    ).result()
+    thread, worker = cpu_worker(settings)
     rng = random.Random(0)
     sizes = [rng.randint(1, 24) for _ in range(max(60, 30_000 // length))]
     requests = [worker.example_request(length) for _ in range(24)]

@@ -26,18 +26,11 @@ def measure(case: str) -> tuple[float, float]:
 
     openmp.set_defaults(os.environ)  # as `attnserve serve` does: before torch (and libgomp) loads
     import torch
+    from cpu_worker import cpu_worker
 
-    from attnserve_server.compute.weights import load_projections
-    from attnserve_server.compute.worker import DeviceWorker
-    from attnserve_server.model import spec_from_settings
     from attnserve_server.settings import ModelSettings
 
-    settings = ModelSettings()
-    spec = spec_from_settings(settings)
-    worker_thread = ThreadPoolExecutor(1)
-    worker = worker_thread.submit(
-        lambda: DeviceWorker(spec, load_projections(spec, settings.weights), torch.device("cpu"))
-    ).result()
+    worker_thread, worker = cpu_worker(ModelSettings())
     request = worker.example_request(64)
 
     def median_us() -> float:
