@@ -1,8 +1,9 @@
-"""The batcher on its own: a fake runner gated by asyncio.Event, no sockets, no torch."""
+"""The batcher on its own: fake runners on threads of their own, gated by threading.Event; no sockets, no torch."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 
 import pytest
@@ -10,23 +11,28 @@ import pytest
 from attnserve_server.batching import Batcher, BatchLimits
 from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
 
+WAIT_S = 5.0  # how long a test waits for something that must happen
+
 
 class FakeRunner:
-    """Records each batch; each run waits until the test opens the gate."""
+    """Records each batch; each run, on the runner's thread, waits until the test opens the gate."""
 
     def __init__(self, fail_on: object = None) -> None:
         self.batches: list[list[object]] = []
-        self.gate = asyncio.Event()
-        self.started = asyncio.Event()
+        self.gate = threading.Event()
+        self.running = threading.Event()
         self.fail_on = fail_on
 
-    async def __call__(self, items: list[object]) -> list[object]:
+    def __call__(self, items: list[object]) -> list[object]:
         self.batches.append(list(items))
-        self.started.set()
-        await self.gate.wait()
+        self.running.set()
+        assert self.gate.wait(WAIT_S * 4), "the test never opened the gate"
         if self.fail_on in items:
             raise RuntimeError("boom")
         return [("done", item) for item in items]
+
+    async def started(self) -> None:
+        await until(self.running.is_set)
 
 
 class Recorder:
@@ -52,7 +58,7 @@ def limits(**kw: float) -> BatchLimits:
     return BatchLimits(**base)  # type: ignore[arg-type]
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
+async def until(condition, timeout_s: float = WAIT_S) -> None:
     async def poll() -> None:
         while not condition():
             await asyncio.sleep(0)
@@ -64,89 +70,99 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+def start(b: Batcher, *runners) -> list[threading.Thread]:
+    """Starts the batcher on the running loop and each runner serving it on a thread of its own."""
+    b.start()
+    threads = [threading.Thread(target=b.serve, args=(r,), daemon=True) for r in runners]
+    for t in threads:
+        t.start()
+    return threads
+
+
+async def stop(b: Batcher, threads: list[threading.Thread]) -> None:
+    """Closes the batcher and checks that every runner's thread returned."""
+    await b.close()
+    for t in threads:
+        await asyncio.to_thread(t.join, WAIT_S)
+        assert not t.is_alive(), "a runner kept serving a closed batcher"
+
+
 def submit(b: Batcher, item: object, sequences: int = 1, length: int = 1, group: object = "g", deadline=None, **kw):
     return asyncio.ensure_future(
         b.submit(item, sequences=sequences, length=length, group=group, deadline=deadline, **kw)
     )
 
 
-async def occupy(b: Batcher, runner: FakeRunner) -> asyncio.Future:
+async def occupy(b: Batcher, runner: FakeRunner) -> tuple[asyncio.Future, list[threading.Thread]]:
     """Starts the batcher and keeps its runner busy with "block" until the test opens the gate."""
-    b.start()
+    threads = start(b, runner)
     blocker = submit(b, "block")
-    await runner.started.wait()
-    return blocker
+    await runner.started()
+    return blocker, threads
 
 
 def test_requests_queue_while_the_runner_is_busy_and_then_run_as_one_batch() -> None:
     async def main() -> None:
         runner = FakeRunner()
-        b = Batcher([runner], limits())
-        b.start()
+        b = Batcher(limits())
+        threads = start(b, runner)
         first = submit(b, "a")
-        await runner.started.wait()
+        await runner.started()
         rest = [submit(b, x) for x in "bcd"]
         await until(lambda: b.depth == 3)
         runner.gate.set()
         results = await asyncio.gather(first, *rest)
         assert runner.batches == [["a"], ["b", "c", "d"]]
         assert results == [("done", x) for x in "abcd"]  # each caller gets the runner's own result
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
 
-def test_the_next_batch_reaches_the_runner_before_the_last_batchs_callers_wake() -> None:
-    # The device must not idle while the loop answers a finished batch: the runner is handed the
-    # queued requests first, and only then do the finished batch's callers resume.
-    events: list[str] = []
+def test_a_free_runner_takes_its_next_batch_without_the_event_loop() -> None:
+    # Under load the loop is busy decoding and answering; the device must not wait for it. The loop
+    # is held below, synchronously, while the runner finishes one batch: a runner that needed the
+    # loop to hand it the next one would wait in vain.
+    second = threading.Event()
 
     class Recording(FakeRunner):
-        def __call__(self, items: list[object]):
-            events.append(f"run {items}")
+        def __call__(self, items: list[object]) -> list[object]:
+            if items == ["b", "c"]:
+                second.set()
             return super().__call__(items)
 
     async def main() -> None:
         runner = Recording()
-        b = Batcher([runner], limits())
-        b.start()
-
-        async def caller(item: str) -> None:
-            await b.submit(item, sequences=1, length=1, group="g")
-            events.append(f"answered {item}")
-
-        first = asyncio.ensure_future(caller("a"))
-        await runner.started.wait()
-        rest = [asyncio.ensure_future(caller(x)) for x in "bc"]
+        b = Batcher(limits())
+        threads = start(b, runner)
+        first = submit(b, "a")
+        await runner.started()
+        rest = [submit(b, x) for x in "bc"]
         await until(lambda: b.depth == 2)
         runner.gate.set()
-        await asyncio.gather(first, *rest)
-        assert events[:3] == ["run ['a']", "run ['b', 'c']", "answered a"]
-        await b.close()
+        assert second.wait(WAIT_S), "the runner did not take the queued batch while the loop was held"
+        assert not first.done()  # its answer waits for the loop; the device did not
+        assert await asyncio.gather(first, *rest) == [("done", x) for x in "abc"]
+        await stop(b, threads)
 
     run(main())
 
 
-def test_a_request_that_finds_a_runner_free_reaches_it_in_its_own_step() -> None:
-    # No batching task to wake: with no delay, the caller's own step hands the batch to the runner,
-    # so an idle server adds no loop iteration between receipt and compute.
-    called: list[list[object]] = []
-
-    async def runner(items: list[object]) -> list[object]:
-        return items
-
-    def recording(items: list[object]):
-        called.append(list(items))
-        return runner(items)
+def test_an_idle_runner_starts_a_request_without_another_trip_through_the_loop() -> None:
+    # The caller's own step wakes the runner: an idle server adds no loop iteration between receipt
+    # and compute (the loop is held below, synchronously, once the submit has run its first step).
+    runner = FakeRunner()
+    runner.gate.set()
 
     async def main() -> None:
-        b = Batcher([recording], limits())
-        b.start()
+        b = Batcher(limits())
+        threads = start(b, runner)
         pending = submit(b, "a")
         await asyncio.sleep(0)  # one loop iteration: the submit task runs its first step
-        assert called == [["a"]] and b.depth == 0
-        assert await pending == "a"
-        await b.close()
+        assert runner.running.wait(WAIT_S)
+        assert runner.batches == [["a"]] and b.depth == 0
+        assert await pending == ("done", "a")
+        await stop(b, threads)
 
     run(main())
 
@@ -154,12 +170,13 @@ def test_a_request_that_finds_a_runner_free_reaches_it_in_its_own_step() -> None
 def test_a_batch_closes_before_its_memory_estimate_passes_the_budget() -> None:
     async def main() -> None:
         runner = FakeRunner()
-        runner.gate.set()
         # A long delay: only the limits can close these batches.
-        b = Batcher([runner], limits(max_queue_delay_s=60, max_batch_memory_bytes=100))
-        b.start()
+        b = Batcher(limits(max_queue_delay_s=60, max_batch_memory_bytes=100))
         memory = (60, 30, 50, 100)
         futures = [submit(b, i, memory=m) for i, m in enumerate(memory)]
+        await until(lambda: b.depth == 4)  # all queued before any runner looks
+        runner.gate.set()
+        start(b, runner)
         # 60+30 fits and +50 would not; 50 alone, as +100 would not fit. The last waits for company.
         await until(lambda: len(runner.batches) == 2)
         assert runner.batches == [[0, 1], [2]] and b.depth == 1
@@ -173,8 +190,8 @@ def test_a_batch_closes_before_its_memory_estimate_passes_the_budget() -> None:
 def test_the_queue_refuses_past_its_byte_budget() -> None:
     async def main() -> None:
         runner = FakeRunner()
-        b = Batcher([runner], limits(max_queue_bytes=100))
-        blocker = await occupy(b, runner)
+        b = Batcher(limits(max_queue_bytes=100))
+        blocker, threads = await occupy(b, runner)
         queued = submit(b, "a", nbytes=80)
         await until(lambda: b.depth == 1)
         with pytest.raises(QueueFull, match="max_queue_bytes 100"):
@@ -183,7 +200,7 @@ def test_the_queue_refuses_past_its_byte_budget() -> None:
         assert await queued == ("done", "a") and await blocker == ("done", "block")
         # Its bytes left the queue with it: the same request is admitted now.
         assert await b.submit("c", sequences=1, length=1, group="g", nbytes=30) == ("done", "c")
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -193,13 +210,13 @@ def test_a_batch_closes_at_max_batch_size_counted_in_sequences() -> None:
         runner = FakeRunner()
         runner.gate.set()
         # A long delay: only the size limit can close these batches.
-        b = Batcher([runner], limits(max_batch_size=4, max_queue_delay_s=60))
-        b.start()
+        b = Batcher(limits(max_batch_size=4, max_queue_delay_s=60))
+        threads = start(b, runner)
         futures = [submit(b, i, sequences=2) for i in range(4)]
         results = await asyncio.gather(*futures)
         assert runner.batches == [[0, 1], [2, 3]]
         assert results == [("done", i) for i in range(4)]
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -208,8 +225,8 @@ def test_a_batch_closes_at_max_batch_tokens_of_padded_length() -> None:
     async def main() -> None:
         runner = FakeRunner()
         runner.gate.set()
-        b = Batcher([runner], limits(max_batch_tokens=100, max_queue_delay_s=60))
-        b.start()
+        b = Batcher(limits(max_batch_tokens=100, max_queue_delay_s=60))
+        threads = start(b, runner)
         # 2 sequences x longest 40 = 80 fits; a third (3 x 50 = 150) does not.
         futures = [submit(b, "x", length=40), submit(b, "y", length=30), submit(b, "z", length=50)]
         await until(lambda: len(runner.batches) == 1)
@@ -217,6 +234,8 @@ def test_a_batch_closes_at_max_batch_tokens_of_padded_length() -> None:
         await b.drain(5)  # drain runs what is left at once
         assert runner.batches == [["x", "y"], ["z"]]
         assert all(f.done() for f in futures)
+        for t in threads:
+            t.join(WAIT_S)
 
     run(main())
 
@@ -225,8 +244,8 @@ def test_the_delay_is_counted_from_the_first_request_of_the_batch() -> None:
     async def main() -> None:
         runner = FakeRunner()
         runner.gate.set()
-        b = Batcher([runner], limits(max_queue_delay_s=0.05))
-        b.start()
+        b = Batcher(limits(max_queue_delay_s=0.05))
+        threads = start(b, runner)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         first = submit(b, "a")
@@ -235,9 +254,9 @@ def test_the_delay_is_counted_from_the_first_request_of_the_batch() -> None:
         await asyncio.gather(first, second)
         elapsed = loop.time() - t0
         assert runner.batches == [["a", "b"]]
-        # Closed by the first request's timer, not restarted by the second.
+        # Closed by the first request's delay, not restarted by the second.
         assert 0.05 <= elapsed < 0.05 + 0.02 + 0.5
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -245,8 +264,8 @@ def test_the_delay_is_counted_from_the_first_request_of_the_batch() -> None:
 def test_only_requests_of_the_same_group_share_a_batch_and_the_oldest_goes_first() -> None:
     async def main() -> None:
         runner = FakeRunner()
-        b = Batcher([runner], limits())
-        blocker = await occupy(b, runner)
+        b = Batcher(limits())
+        blocker, threads = await occupy(b, runner)
         futures = [
             submit(b, "s1", group="self"),
             submit(b, "c1", group="cross"),
@@ -256,7 +275,7 @@ def test_only_requests_of_the_same_group_share_a_batch_and_the_oldest_goes_first
         runner.gate.set()
         await asyncio.gather(blocker, *futures)
         assert runner.batches == [["block"], ["s1", "s2"], ["c1"]]
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -265,10 +284,8 @@ def test_a_full_queue_refuses_at_once() -> None:
     async def main() -> None:
         runner = FakeRunner()
         rec = Recorder()
-        b = Batcher([runner], limits(max_queue_size=2), rec)
-        b.start()
-        running = submit(b, "r")
-        await runner.started.wait()
+        b = Batcher(limits(max_queue_size=2), rec)
+        running, threads = await occupy(b, runner)
         waiting = [submit(b, "w1"), submit(b, "w2")]
         await until(lambda: b.depth == 2)
         with pytest.raises(QueueFull, match="queue is full"):
@@ -276,7 +293,8 @@ def test_a_full_queue_refuses_at_once() -> None:
         assert rec.drops["queue_full"] == 1
         runner.gate.set()
         await asyncio.gather(running, *waiting)
-        await b.close()
+        assert rec.batches == [1, 2] and rec.depths[-1] == 0
+        await stop(b, threads)
 
     run(main())
 
@@ -285,8 +303,8 @@ def test_a_cancelled_request_is_dropped_before_compute() -> None:
     async def main() -> None:
         runner = FakeRunner()
         rec = Recorder()
-        b = Batcher([runner], limits(), rec)
-        blocker = await occupy(b, runner)
+        b = Batcher(limits(), rec)
+        blocker, threads = await occupy(b, runner)
         keep, gone = submit(b, "keep"), submit(b, "gone")
         await until(lambda: b.depth == 2)
         gone.cancel()
@@ -295,28 +313,31 @@ def test_a_cancelled_request_is_dropped_before_compute() -> None:
         await asyncio.gather(blocker, keep)
         assert runner.batches == [["block"], ["keep"]]
         assert rec.drops["cancelled"] == 1
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
 
-def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed() -> None:
+@pytest.mark.parametrize("expire", [True, False], ids=["timer", "no-timer"])
+def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed(expire: bool) -> None:
+    # With a timer the loop fails it; without one (the RPC's own deadline was to cancel it, and its
+    # cancellation has not arrived) the runner that reaches it drops it instead of computing it.
     async def main() -> None:
         runner = FakeRunner()
         rec = Recorder()
-        b = Batcher([runner], limits(), rec)
+        b = Batcher(limits(), rec)
         loop = asyncio.get_running_loop()
-        blocker = await occupy(b, runner)
-        expired = submit(b, "late", deadline=loop.time() - 1)  # already past when its batch forms
-        fresh = submit(b, "fresh", deadline=loop.time() + 60)
-        await until(lambda: b.depth == 2)
+        blocker, threads = await occupy(b, runner)
+        expired = submit(b, "late", deadline=loop.time() - 1, expire=expire)  # already past when reached
+        fresh = submit(b, "fresh", deadline=loop.time() + 60, expire=expire)
+        await until(lambda: expired.done() or b.depth == 2)
         runner.gate.set()
         await asyncio.gather(blocker, fresh)
         with pytest.raises(DeadlineExpired):
             await expired
         assert runner.batches == [["block"], ["fresh"]]
         assert rec.drops["deadline_exceeded"] == 1
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -325,27 +346,27 @@ def test_a_failing_batch_fails_only_its_own_requests_and_the_runner_keeps_servin
     async def main() -> None:
         runner = FakeRunner(fail_on="bad")
         runner.gate.set()
-        b = Batcher([runner], limits(max_batch_size=1))
-        b.start()
+        b = Batcher(limits(max_batch_size=1))
+        threads = start(b, runner)
         with pytest.raises(BatchFailed, match="RuntimeError: boom"):
             await b.submit("bad", sequences=1, length=1, group="g")
         ok = await b.submit("good", sequences=1, length=1, group="g")
         assert ok == ("done", "good")
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
 
 def test_a_runner_returning_the_wrong_number_of_results_fails_the_batch() -> None:
     async def main() -> None:
-        async def short(items: list[object]) -> list[object]:
+        def short(items: list[object]) -> list[object]:
             return items[:-1]
 
-        b = Batcher([short], limits())
-        b.start()
+        b = Batcher(limits())
+        threads = start(b, short)
         with pytest.raises(BatchFailed, match="0 results for 1 requests"):
             await b.submit("x", sequences=1, length=1, group="g")
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -353,16 +374,16 @@ def test_a_runner_returning_the_wrong_number_of_results_fails_the_batch() -> Non
 def test_two_runners_compute_two_batches_at_once() -> None:
     async def main() -> None:
         r1, r2 = FakeRunner(), FakeRunner()
-        b = Batcher([r1, r2], limits(max_batch_size=1))
-        b.start()
+        b = Batcher(limits(max_batch_size=1))
+        threads = start(b, r1, r2)
         f1, f2 = submit(b, 1), submit(b, 2)
-        await r1.started.wait()
-        await r2.started.wait()  # both busy at the same time
+        await r1.started()
+        await r2.started()  # both busy at the same time
         r1.gate.set()
         r2.gate.set()
         await asyncio.gather(f1, f2)
         assert sorted(r1.batches + r2.batches) == [[1], [2]]
-        await b.close()
+        await stop(b, threads)
 
     run(main())
 
@@ -371,69 +392,78 @@ def test_drain_runs_queued_work_at_once_and_then_refuses_new_requests() -> None:
     async def main() -> None:
         runner = FakeRunner()
         runner.gate.set()
-        b = Batcher([runner], limits(max_queue_delay_s=3600))
-        b.start()
+        b = Batcher(limits(max_queue_delay_s=3600))
+        threads = start(b, runner)
         queued = [submit(b, i) for i in range(3)]
         await until(lambda: b.depth == 3)
         assert await b.drain(5) is True
         assert [f.result() for f in queued] == [("done", i) for i in range(3)]
         with pytest.raises(ShuttingDown):
             await b.submit("late", sequences=1, length=1, group="g")
+        await stop(b, threads)
 
     run(main())
 
 
 def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
     async def main() -> None:
-        runner = FakeRunner()  # never opens
-        b = Batcher([runner], limits(max_batch_size=1))
-        b.start()
+        runner = FakeRunner()  # held shut until the end
+        b = Batcher(limits(max_batch_size=1))
+        threads = start(b, runner)
         stuck, waiting = submit(b, "stuck"), submit(b, "waiting")
-        await runner.started.wait()
+        await runner.started()
         assert await b.drain(0.05) is False
         for f in (stuck, waiting):
             with pytest.raises(ShuttingDown):
                 await f
+        runner.gate.set()  # the batch it was running ends; it computes nothing more
+        await stop(b, threads)
+        assert runner.batches == [["stuck"]]
+
+    run(main())
+
+
+def test_a_bug_while_a_batch_forms_fails_the_waiting_callers_instead_of_stranding_them() -> None:
+    # A length that cannot be compared stands for any bug in batch formation, which runs on the
+    # runner's thread: the batcher stops, and every caller, waiting or later, gets an error.
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits())
+        blocker, threads = await occupy(b, runner)
+        waiting = [submit(b, "fine"), submit(b, "bad", length=None)]  # type: ignore[arg-type]
+        await until(lambda: b.depth == 2)
+        runner.gate.set()
+        await blocker
+        for f in waiting:
+            with pytest.raises(ServingError, match="batcher stopped"):
+                await asyncio.wait_for(f, WAIT_S)
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await b.submit("after", sequences=1, length=1, group="g")
+        assert runner.batches == [["block"]]
+        await stop(b, threads)
 
     run(main())
 
 
 @pytest.mark.parametrize("report", ["queue_depth", "batch_started"])
-def test_a_bug_while_a_batch_forms_fails_the_waiting_callers_instead_of_stranding_them(report: str) -> None:
-    # An observer that raises stands for any bug while a batch forms: the batcher stops, and every
-    # caller, waiting or later, gets an error instead of waiting forever.
+def test_a_failing_report_is_logged_and_every_caller_still_answered(report: str) -> None:
     class BrokenObserver(Recorder):
-        armed = False
-
-        def _check(self, name: str) -> None:
-            if self.armed and name == report:
+        def queue_depth(self, depth: int) -> None:
+            if report == "queue_depth":
                 raise RuntimeError("observer bug")
 
-        def queue_depth(self, depth: int) -> None:
-            self._check("queue_depth")
-            super().queue_depth(depth)
-
         def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
-            self._check("batch_started")
-            super().batch_started(requests, queue_waits_s)
+            if report == "batch_started":
+                raise RuntimeError("observer bug")
 
     async def main() -> None:
         runner = FakeRunner()
-        observer = BrokenObserver()
-        b = Batcher([runner], limits(), observer)
-        blocker = await occupy(b, runner)
-        waiting = submit(b, "waiting")
-        await until(lambda: b.depth == 1)
-        observer.armed = True  # the batch that would take "waiting" fails to report
         runner.gate.set()
-        await blocker
-        with pytest.raises(ServingError, match="batcher stopped"):
-            await asyncio.wait_for(waiting, 5)
-        with pytest.raises(ServingError, match="batcher stopped"):
-            await b.submit("after", sequences=1, length=1, group="g")
-        assert runner.batches == [["block"]]
-        observer.armed = False
-        await b.close()
+        b = Batcher(limits(), BrokenObserver())
+        threads = start(b, runner)
+        assert await asyncio.gather(submit(b, 1), submit(b, 2)) == [("done", 1), ("done", 2)]
+        assert await b.submit(3, sequences=1, length=1, group="g") == ("done", 3)
+        await stop(b, threads)
 
     run(main())
 
@@ -442,9 +472,9 @@ def test_a_queued_request_expires_at_its_deadline_while_every_runner_is_busy() -
     async def main() -> None:
         runner = FakeRunner()
         rec = Recorder()
-        b = Batcher([runner], limits(), rec)
+        b = Batcher(limits(), rec)
         loop = asyncio.get_running_loop()
-        blocker = await occupy(b, runner)
+        blocker, threads = await occupy(b, runner)
         late = submit(b, "late", deadline=loop.time() + 0.05)
         with pytest.raises(DeadlineExpired):
             await late  # the runner is still held: no batch forms, the deadline alone ends it
@@ -452,6 +482,23 @@ def test_a_queued_request_expires_at_its_deadline_while_every_runner_is_busy() -
         runner.gate.set()
         await blocker
         assert runner.batches == [["block"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_close_lets_an_idle_runner_return_and_a_serving_runner_finish_first() -> None:
+    async def main() -> None:
+        idle, busy = FakeRunner(), FakeRunner()
+        b = Batcher(limits(max_batch_size=1))
+        threads = start(b, idle, busy)
+        pending = submit(b, "x")
+        await until(lambda: idle.running.is_set() or busy.running.is_set())
         await b.close()
+        with pytest.raises(ShuttingDown, match="while this request ran"):
+            await pending
+        idle.gate.set()
+        busy.gate.set()
+        await stop(b, threads)
 
     run(main())

@@ -1,19 +1,29 @@
-"""Admission and dynamic batching: a bounded queue per model that forms batches for its runners.
+"""Admission and dynamic batching: a bounded queue per model from which its runners pull batches.
 
-Knows neither protobuf nor devices. A batch is formed when a runner is free: it starts
-with the oldest waiting request, takes the requests behind it that run the same
-computation (same group), and closes when it reaches max_batch_size sequences or
-max_batch_tokens padded tokens, or max_queue_delay after its first request arrived.
-While every runner is busy, requests simply queue, so batches grow with load.
-There is no batching task: batches form in the callbacks of the events that allow them.
+Knows neither protobuf nor devices. Callers submit on the event loop; each runner (a device
+worker's thread) takes its next batch from the queue itself, the moment it is free, as Triton's
+scheduler threads do. Under load the loop is busy decoding and answering, and a worker that waited
+for the loop to hand it its next batch idled ~2 ms of every ~7.6 ms batch (BENCHMARKS.md).
+
+A batch starts with the oldest waiting request, takes the requests behind it that run the same
+computation (same group), and closes when it reaches max_batch_size sequences or max_batch_tokens
+padded tokens, or max_queue_delay after its first request arrived. While every runner is busy,
+requests simply queue, so batches grow with load.
+
+Threads: one lock guards the queue, and idle runners wait on its condition. Everything the batcher
+tells the rest of the server (observer reports, queue listeners, answers) happens on the event
+loop: a runner posts one callback per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -21,7 +31,10 @@ from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, Ser
 
 T = TypeVar("T")
 R = TypeVar("R")
-Runner = Callable[[list[T]], Awaitable[list[R]]]
+# A runner computes one batch, blocking its own thread: results in the items' order.
+Runner = Callable[[list[T]], list[R]]
+# Told of every batch a runner finished (its items, and its results or its error), on the event loop.
+BatchDone = Callable[[list[T], "list[R] | None", "BaseException | None"], None]
 log = logging.getLogger(__name__)
 
 
@@ -58,7 +71,7 @@ def refusal(limits: BatchLimits, depth: int, queued_bytes: int, closing: bool) -
 
 
 class BatchObserver(Protocol):
-    """What the batcher reports (metrics implement it)."""
+    """What the batcher reports (metrics implement it), always on the event loop."""
 
     def queue_depth(self, depth: int) -> None: ...
 
@@ -86,38 +99,40 @@ class _Entry(Generic[T]):
     nbytes: int
     memory: int
     group: Hashable
-    enqueued: float
+    enqueued: float  # time.monotonic()
+    expires: float  # time.monotonic(); inf without a deadline
     future: asyncio.Future = field(repr=False)
-    queued: bool = True
+    queued: bool = True  # under the lock
+
+
+@dataclass(eq=False)
+class _Batch(Generic[T]):
+    entries: list[_Entry[T]]
+    waits_s: list[float]  # each entry's time in the queue
 
 
 class Batcher(Generic[T, R]):
-    """Admits items, batches them, runs each batch on a free runner, answers every caller.
+    """Admits items, lets its runners pull batches of them, answers every caller.
 
-    Event-driven, with no task of its own: a batch forms when something changes what could run
-    (an item arrives, a runner frees, a batch's delay ends, a drain starts), inside that event's
-    own callback. So a request that finds a runner free reaches it in its caller's step, and a
-    runner that finishes gets its next batch before the finished batch's callers are woken.
+    `submit`, `check_admission`, `watch`, `drain` and `close` are called on the event loop; `serve`
+    on each runner's own thread, for as long as the batcher runs.
     """
 
-    def __init__(self, runners: Sequence[Runner], limits: BatchLimits, observer: BatchObserver | None = None) -> None:
-        if not runners:
-            raise ValueError("a batcher needs at least one runner")
+    def __init__(self, limits: BatchLimits, observer: BatchObserver | None = None) -> None:
         self._limits = limits
         self._observer = observer or _NoObserver()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cond = threading.Condition()
+        # Under the lock: the queue, and the batches taken and not yet answered.
         self._groups: dict[Hashable, deque[_Entry[T]]] = {}
         self._depth = 0
         self._queued_bytes = 0
-        self._closing = False
-        self._started = False
-        self._stopped = False  # closed: no batch starts any more
-        self._free: list[Runner] = list(runners)
-        # each batch in flight: the runner's future -> (the runner, the batch's entries)
-        self._running: dict[asyncio.Future, tuple[Runner, list[_Entry[T]]]] = {}
-        self._changed = asyncio.Event()  # set whenever depth or running batches change
-        self._timer: asyncio.TimerHandle | None = None  # ends the head batch's delay
-        self._timer_at = 0.0
+        self._in_flight: set[_Batch[T]] = set()
+        self._closing = False  # draining: no new items, and queued ones run without their delay
+        self._stopped = False  # closed: runners return
         self._broken: ServingError | None = None
+        # On the loop:
+        self._changed = asyncio.Event()  # set whenever the queue or the batches in flight shrink
         self._listeners: list[Callable[[int, int, bool], None]] = []
 
     @property
@@ -125,10 +140,10 @@ class Batcher(Generic[T, R]):
         return self._depth
 
     def start(self) -> None:
-        self._started = True
-        self._pump()
+        """Binds the batcher to the running loop, where its callers' answers are delivered."""
+        self._loop = asyncio.get_running_loop()
 
-    # -- admission -------------------------------------------------------------------------
+    # -- admission (on the loop) -----------------------------------------------------------
 
     async def submit(
         self,
@@ -142,40 +157,55 @@ class Batcher(Generic[T, R]):
         nbytes: int = 0,
         memory: int = 0,
     ) -> R:
-        """Queues one item and waits for the runner's result for it. `deadline` is on the loop's clock.
+        """Queues one item and waits for a runner's result for it. `deadline` is on the loop's clock.
 
-        With `expire`, a timer fails the item at its deadline. Without, the caller enforces the deadline
-        itself (an RPC deadline cancels the call), which spares a timer per request; the deadline then
-        only tells a drop at the deadline from a cancellation.
+        An item whose deadline has passed when a runner reaches it is dropped, not computed. With
+        `expire`, a timer also fails it at its deadline while it waits. Without, the caller enforces
+        the deadline itself (an RPC deadline cancels the call), which spares a timer per request.
         """
-        self.check_admission()
-        if self._queued_bytes + nbytes > self._limits.max_queue_bytes:
-            self._observer.dropped("queue_full")
-            raise QueueFull(
-                f"the model's queue holds {self._queued_bytes} bytes of requests; this one's {nbytes} would pass "
-                f"max_queue_bytes {self._limits.max_queue_bytes}; retry later"
-            )
         loop = asyncio.get_running_loop()
-        entry = _Entry(item, sequences, length, nbytes, memory, group, loop.time(), loop.create_future())
-        self._groups.setdefault(group, deque()).append(entry)
-        self._queued_bytes += nbytes
-        self._set_depth(self._depth + 1)
-        self._pump()
-        # The one expiry mechanism: a timer at the deadline, which works whether or not a batch
-        # forms or an RPC deadline cancels the caller (KServe's `timeout` parameter has no RPC one).
-        timer = loop.call_at(deadline, self._expire_entry, entry) if expire and deadline is not None else None
+        now = time.monotonic()
+        expires = math.inf if deadline is None else now + (deadline - loop.time())
+        entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
+        with self._cond:
+            refused = self._refusal(nbytes)
+            if refused is None:
+                self._groups.setdefault(group, deque()).append(entry)
+                self._queued_bytes += nbytes
+                self._depth += 1
+                self._cond.notify()
+        if refused is not None:
+            if refused[0]:
+                self._observer.dropped(refused[0])
+            raise refused[1]
+        self._report_depth()
+        timer = loop.call_at(deadline, self._expire, entry) if expire and deadline is not None else None
         try:
             return await entry.future
         except asyncio.CancelledError:
             # The caller went away (cancelled, or its deadline passed): drop it before compute.
-            if entry.queued:
-                self._remove(entry)
+            if self._withdraw(entry):
                 expired = deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S
                 self._observer.dropped("deadline_exceeded" if expired else "cancelled")
             raise
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def _refusal(self, nbytes: int) -> tuple[str, ServingError] | None:
+        """Under the lock: the drop reason ("" for a stopped batcher: not a drop) and the error, or None."""
+        if self._broken is not None:
+            return "", self._broken
+        refused = refusal(self._limits, self._depth, self._queued_bytes, self._closing)
+        if refused is None and self._queued_bytes + nbytes > self._limits.max_queue_bytes:
+            refused = (
+                "queue_full",
+                QueueFull(
+                    f"the model's queue holds {self._queued_bytes} bytes of requests; this one's {nbytes} would pass "
+                    f"max_queue_bytes {self._limits.max_queue_bytes}; retry later"
+                ),
+            )
+        return refused
 
     def check_admission(self) -> None:
         """Raises what `submit` would refuse an item with right now (full queue, shutdown), counting
@@ -188,31 +218,91 @@ class Batcher(Generic[T, R]):
             raise refused[1]
 
     def watch(self, listener: Callable[[int, int, bool], None]) -> None:
-        """Calls `listener(depth, queued bytes, closing)` now and after every change of them: an
-        engine publishes them to its edge processes, which then refuse as `check_admission` would."""
+        """Calls `listener(depth, queued bytes, closing)` now and after every change the loop sees: an
+        engine publishes them to its edge processes, which then refuse as `check_admission` would.
+        A batch a runner takes is seen when it is answered (or at the next arrival, if sooner)."""
         self._listeners.append(listener)
-        self._tell_listeners()
+        self._report_depth()
 
-    def _set_depth(self, depth: int) -> None:
-        self._depth = depth
-        self._observer.queue_depth(depth)
+    def _report_depth(self) -> None:
+        try:
+            self._observer.queue_depth(self._depth)
+            for listener in self._listeners:
+                listener(self._depth, self._queued_bytes, self._closing)
+        except Exception:  # a report is not worth a request: log it, serve on
+            log.exception("reporting the queue's depth failed")
+
+    def _withdraw(self, entry: _Entry[T]) -> bool:
+        """Takes a still-queued entry out of the queue (True), or leaves one a runner took (False)."""
+        with self._cond:
+            if not entry.queued:
+                return False
+            group = self._groups[entry.group]
+            group.remove(entry)
+            if not group:
+                del self._groups[entry.group]
+            entry.queued = False
+            self._queued_bytes -= entry.nbytes
+            self._depth -= 1
+        self._report_depth()
         self._changed.set()
-        self._tell_listeners()
+        return True
 
-    def _tell_listeners(self) -> None:
-        for listener in self._listeners:
-            listener(self._depth, self._queued_bytes, self._closing)
+    def _expire(self, entry: _Entry[T]) -> None:
+        if self._withdraw(entry) and not entry.future.done():
+            entry.future.set_exception(DeadlineExpired("the request's deadline passed while it waited in the queue"))
+            self._observer.dropped("deadline_exceeded")
 
-    def _remove(self, entry: _Entry[T]) -> None:
-        group = self._groups[entry.group]
-        group.remove(entry)
-        if not group:
-            del self._groups[entry.group]
-        entry.queued = False
-        self._queued_bytes -= entry.nbytes
-        self._set_depth(self._depth - 1)
+    # -- the runners' side (on each runner's thread) ---------------------------------------
 
-    # -- batch formation -------------------------------------------------------------------
+    def serve(self, run: Runner, done: BatchDone | None = None) -> None:
+        """Takes batches and runs them on the calling thread until the batcher stops.
+
+        Called once per runner, on the runner's own thread (a device worker's lane), after `start`.
+        Each batch's results go to the loop in one callback; `done`, if given, hears of it there first.
+        """
+        loop = self._loop
+        assert loop is not None, "start() the batcher on its event loop first"
+        while True:
+            try:
+                batch = self._take()
+            except Exception as exc:  # a bug here must fail the waiting callers, never strand them
+                self._post(loop, self._die, exc)
+                return
+            if batch is None:
+                return
+            results: list[R] | None = None
+            error: BaseException | None = None
+            try:
+                results = run([e.item for e in batch.entries])
+            except Exception as exc:
+                error = exc
+            if not self._post(loop, self._batch_done, batch, results, error, done):
+                return
+
+    def _take(self) -> _Batch[T] | None:
+        """Waits for a batch that may run now and takes it out of the queue; None once stopped."""
+        delay = self._limits.max_queue_delay_s
+        with self._cond:
+            while True:
+                if self._stopped or self._broken is not None:
+                    return None
+                head = self._oldest()
+                if head is None:
+                    self._cond.wait()
+                    continue
+                now = time.monotonic()
+                count, full = self._plan(head.group)
+                close_at = head.enqueued + delay
+                if not (full or self._closing or close_at <= now):
+                    self._cond.wait(close_at - now)
+                    continue
+                batch = self._pop(head.group, count, now)
+                if self._groups:
+                    self._cond.notify()  # more may run: another idle runner's turn
+                if batch.entries:
+                    self._in_flight.add(batch)
+                    return batch
 
     def _oldest(self) -> _Entry[T] | None:
         heads = [q[0] for q in self._groups.values()]
@@ -234,111 +324,84 @@ class Batcher(Generic[T, R]):
                 return count, True
         return count, False
 
-    def _expire_entry(self, entry: _Entry[T]) -> None:
-        if entry.queued and not entry.future.done():
-            self._remove(entry)
-            entry.future.set_exception(DeadlineExpired("the request's deadline passed while it waited in the queue"))
-            self._observer.dropped("deadline_exceeded")
-
-    def _pump(self, due_by: float = 0.0) -> None:
-        """Hands free runners every batch that may run now; if the oldest may not yet (it is not
-        full and its delay has not passed), arms a timer for its delay. `due_by`: a timer's time,
-        due however the loop's clock rounds."""
-        if not self._started or self._stopped or self._broken is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-            while self._free and self._groups:
-                head = self._oldest()
-                assert head is not None
-                count, full = self._plan(head.group)
-                close_at = head.enqueued + self._limits.max_queue_delay_s
-                if not (full or self._closing or close_at <= max(loop.time(), due_by)):
-                    self._arm(loop, close_at)
-                    return
-                self._launch(self._free.pop(), head.group, count)
-        except Exception as exc:  # a bug here must fail the waiting callers, never strand them
-            self._die(exc)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._timer is not None:
-            if self._timer_at == at:
-                return
-            self._timer.cancel()
-        self._timer, self._timer_at = loop.call_at(at, self._delay_ended, at), at
-
-    def _delay_ended(self, at: float) -> None:
-        self._timer = None
-        self._pump(due_by=at)
-
-    def _launch(self, runner: Runner, key: Hashable, count: int) -> None:
+    def _pop(self, key: Hashable, count: int, now: float) -> _Batch[T]:
+        """The first `count` entries of a group, less those whose deadline has passed (they are
+        failed on the loop instead of computed)."""
         group = self._groups[key]
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        # Reports first: if one fails, the entries are still queued and _die fails them.
-        self._observer.batch_started(count, [now - group[i].enqueued for i in range(count)])
-        self._queued_bytes -= sum(group[i].nbytes for i in range(count))
-        self._set_depth(self._depth - count)
-        batch = [group.popleft() for _ in range(count)]
+        taken = [group.popleft() for _ in range(count)]
         if not group:
             del self._groups[key]
-        for entry in batch:
+        self._depth -= count
+        self._queued_bytes -= sum(e.nbytes for e in taken)
+        live, late = [], []
+        for entry in taken:
             entry.queued = False
-        try:
-            # A runner that submits its work when called (the model's does, to its device thread)
-            # has the batch on the device before this returns.
-            pending = asyncio.ensure_future(runner([e.item for e in batch]))
-        except Exception as exc:
-            pending = loop.create_future()
-            pending.set_exception(exc)
-        self._running[pending] = (runner, batch)
-        pending.add_done_callback(self._finished)
+            (live if entry.expires > now else late).append(entry)
+        if late:
+            assert self._loop is not None
+            self._post(self._loop, self._expired, late)
+        return _Batch(live, [now - e.enqueued for e in live])
 
-    def _finished(self, pending: asyncio.Future) -> None:
-        runner, batch = self._running.pop(pending)
-        # The runner's next batch first, so the device computes while the loop answers this one.
-        self._free.append(runner)
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> bool:
+        """Runs `callback(*args)` on the loop; False if the loop has closed (the server is gone)."""
         try:
-            self._pump()
-        finally:
-            self._answer(pending, batch)
-            self._changed.set()
+            loop.call_soon_threadsafe(callback, *args)
+            return True
+        except RuntimeError:
+            return False
 
-    def _answer(self, pending: asyncio.Future, batch: list[_Entry[T]]) -> None:
-        if pending.cancelled():
-            self._fail(batch, ShuttingDown("the server stopped while this request ran"))
-            return
-        exc = pending.exception()
-        results = pending.result() if exc is None else None
-        if results is not None and len(results) != len(batch):
-            exc = RuntimeError(f"runner returned {len(results)} results for {len(batch)} requests")
-        if exc is not None:
-            log.error("batch of %d requests failed", len(batch), exc_info=exc)
-            self._fail(batch, BatchFailed(f"the batch failed on its worker: {type(exc).__name__}: {exc}"))
-            return
-        for entry, result in zip(batch, results, strict=True):  # type: ignore[arg-type]
-            if not entry.future.done():  # the caller may have gone while it ran
-                entry.future.set_result(result)
+    # -- answers (on the loop) -------------------------------------------------------------
+
+    def _batch_done(
+        self, batch: _Batch[T], results: list[R] | None, error: BaseException | None, done: BatchDone | None
+    ) -> None:
+        with self._cond:
+            self._in_flight.discard(batch)
+        entries = batch.entries
+        try:
+            self._observer.batch_started(len(entries), batch.waits_s)
+            if done is not None:
+                done([e.item for e in entries], results, error)
+        except Exception:  # a report is not worth a batch: log it, answer anyway
+            log.exception("reporting a finished batch failed")
+        self._report_depth()
+        if error is None and results is not None and len(results) != len(entries):
+            error = RuntimeError(f"runner returned {len(results)} results for {len(entries)} requests")
+        if error is not None:
+            log.error("batch of %d requests failed", len(entries), exc_info=error)
+            self._fail(entries, BatchFailed(f"the batch failed on its worker: {type(error).__name__}: {error}"))
+        else:
+            for entry, result in zip(entries, results, strict=True):  # type: ignore[arg-type]
+                if not entry.future.done():  # the caller may have gone while it ran
+                    entry.future.set_result(result)
+        self._changed.set()
+
+    def _expired(self, entries: list[_Entry[T]]) -> None:
+        for entry in entries:
+            if not entry.future.done():
+                entry.future.set_exception(DeadlineExpired("the request's deadline passed before a worker reached it"))
+                self._observer.dropped("deadline_exceeded")
+        self._report_depth()
+        self._changed.set()
 
     def _die(self, exc: Exception) -> None:
         log.critical("the batcher failed", exc_info=exc)
-        self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        try:
-            self._fail_queued(self._broken)  # fails every caller first, then reports the depth
-        except Exception:
-            log.exception("reporting the failed queue failed too")
+        with self._cond:
+            self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
+            self._cond.notify_all()
+        self._fail_queued(self._broken)
 
     def _fail_queued(self, error: Exception) -> None:
-        for group in self._groups.values():
-            for entry in group:
+        with self._cond:
+            queued = [entry for group in self._groups.values() for entry in group]
+            for entry in queued:
                 entry.queued = False
-            self._fail(list(group), error)
-        self._groups.clear()
-        self._queued_bytes = 0
-        self._set_depth(0)
+            self._groups.clear()
+            self._queued_bytes = self._depth = 0
+        self._fail(queued, error)
+        self._report_depth()
+        self._changed.set()
 
     @staticmethod
     def _fail(entries: list[_Entry[T]], error: Exception) -> None:
@@ -353,12 +416,17 @@ class Batcher(Generic[T, R]):
 
         Returns False if work was still pending after `timeout_s`; that work fails UNAVAILABLE.
         """
-        self._closing = True
-        self._tell_listeners()
-        self._pump()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._report_depth()
+
+        def busy() -> bool:
+            with self._cond:
+                return bool(self._depth or self._in_flight)
 
         async def settled() -> None:
-            while self._depth or self._running:
+            while busy():
                 self._changed.clear()
                 await self._changed.wait()
 
@@ -371,14 +439,16 @@ class Batcher(Generic[T, R]):
             await self.close()
 
     async def close(self) -> None:
-        """Stops batching; anything still queued or running fails with UNAVAILABLE."""
-        self._closing = self._stopped = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        running = list(self._running.items())
-        for pending, (_, batch) in running:
-            self._fail(batch, ShuttingDown("the server stopped while this request ran"))
-            pending.cancel()
-        await asyncio.gather(*(pending for pending, _ in running), return_exceptions=True)
+        """Stops batching: runners return after their current batch, whose callers (and anyone
+        still queued) fail with UNAVAILABLE at once."""
+        self.halt()
+        with self._cond:
+            running = [entry for batch in self._in_flight for entry in batch.entries]
+        self._fail(running, ShuttingDown("the server stopped while this request ran"))
         self._fail_queued(ShuttingDown("the server stopped before this request ran"))
+
+    def halt(self) -> None:
+        """Tells every runner to return once its current batch is done. Safe from any thread."""
+        with self._cond:
+            self._closing = self._stopped = True
+            self._cond.notify_all()

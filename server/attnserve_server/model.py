@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from attnserve_server import dtypes
-from attnserve_server.batching import Batcher, BatchLimits
+from attnserve_server.batching import BatchDone, Batcher, BatchLimits
 from attnserve_server.compute.devices import resolve_devices
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -93,6 +93,7 @@ class ServedModel:
         self._torch_threads = torch_threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, Answer] | None = None
+        self._serving: list[asyncio.Future[None]] = []  # each lane's thread, serving the batcher
         self.limits = limits_from_settings(settings)
 
     async def load(self) -> None:
@@ -120,10 +121,17 @@ class ServedModel:
             await asyncio.gather(*(loop.run_in_executor(worker.executor, worker.warmup) for _ in range(worker.lanes)))
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
-        # A runner per lane: a CUDA worker takes its next batch while its last one computes.
-        runners = [self._runner(w) for w in self._workers for _ in range(w.lanes)]
-        self._batcher = Batcher(runners, self.limits, self.metrics)
+        self._batcher = Batcher(self.limits, self.metrics)
         self._batcher.start()
+        # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
+        # is free: a CUDA worker takes its next batch while its last one computes.
+        self._serving = [
+            loop.run_in_executor(w.executor, self._batcher.serve, w.run, self._reporter(w))
+            for w in self._workers
+            for _ in range(w.lanes)
+        ]
+        for serving in self._serving:
+            serving.add_done_callback(self._served)
         self.metrics.describe(
             queue_capacity=b.max_queue_size,
             kind=self.spec.kind.value,
@@ -135,28 +143,24 @@ class ServedModel:
         self.ready = True
         log.info("model %r ready on %s", self.spec.name, ", ".join(self.devices))
 
-    def _runner(self, worker: DeviceWorker):
-        loop = asyncio.get_running_loop()
+    def _served(self, serving: asyncio.Future[None]) -> None:
+        if not serving.cancelled() and serving.exception() is not None:
+            log.critical("a worker thread of model %r stopped serving", self.spec.name, exc_info=serving.exception())
 
-        def counted(future: asyncio.Future, batch: list[AttentionRequest]) -> None:
-            if future.cancelled():
-                return
-            if future.exception() is not None:
+    def _reporter(self, worker: DeviceWorker) -> BatchDone:
+        """Metrics and traces for each batch the worker finishes (called on the event loop)."""
+
+        def done(batch: list[AttentionRequest], answers: list[Answer] | None, error: BaseException | None) -> None:
+            if error is not None:
                 self.metrics.batch_failed(worker.name)
-            elif answers := future.result():
+            elif answers:
                 report = answers[0].batch
                 self.metrics.batch_computed(worker.name, report)
                 if self._tracing is not None:
                     spans = [r.trace for r in batch if r.trace is not None]
                     self._tracing.batch_done(self.spec.name, worker.name, report, spans)
 
-        def run(batch: list[AttentionRequest]) -> asyncio.Future[list[Answer]]:
-            """Submits the batch to the worker's thread at once; the future holds its answers."""
-            future = loop.run_in_executor(worker.executor, worker.run, batch)
-            future.add_done_callback(lambda f: counted(f, batch))
-            return future
-
-        return run
+        return done
 
     def check_admission(self) -> None:
         """Raises if a request would be refused now (not ready, queue full, shutting down)."""
@@ -198,5 +202,8 @@ class ServedModel:
         return True if self._batcher is None else await self._batcher.drain(timeout_s)
 
     def close(self) -> None:
+        """Stops the workers (blocking: call it off the loop, after `drain`)."""
+        if self._batcher is not None:
+            self._batcher.halt()  # each lane's thread returns after its current batch
         for worker in self._workers:
             worker.close()
