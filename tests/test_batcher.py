@@ -502,3 +502,17 @@ def test_close_lets_an_idle_runner_return_and_a_serving_runner_finish_first() ->
         await stop(b, threads)
 
     run(main())
+
+
+def test_a_runner_returns_when_its_event_loop_is_gone_without_a_close() -> None:
+    # A server that dies without closing its batcher must not leave a thread behind: exiting Python
+    # joins executor threads, and one that served forever would hang the exit.
+    b: Batcher = Batcher(limits())
+
+    async def main() -> list[threading.Thread]:
+        return start(b, FakeRunner())
+
+    threads = asyncio.run(main())
+    for t in threads:
+        t.join(WAIT_S)
+        assert not t.is_alive()

@@ -36,6 +36,9 @@ Runner = Callable[[list[T]], list[R]]
 # Told of every batch a runner finished (its items, and its results or its error), on the event loop.
 BatchDone = Callable[[list[T], "list[R] | None", "BaseException | None"], None]
 log = logging.getLogger(__name__)
+# An idle runner looks this often whether its event loop is gone (a server that died without closing
+# its batcher), so a runner's thread never outlives it: exiting Python joins executor threads.
+IDLE_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -283,13 +286,15 @@ class Batcher(Generic[T, R]):
     def _take(self) -> _Batch[T] | None:
         """Waits for a batch that may run now and takes it out of the queue; None once stopped."""
         delay = self._limits.max_queue_delay_s
+        loop = self._loop
+        assert loop is not None
         with self._cond:
             while True:
-                if self._stopped or self._broken is not None:
+                if self._stopped or self._broken is not None or loop.is_closed():
                     return None
                 head = self._oldest()
                 if head is None:
-                    self._cond.wait()
+                    self._cond.wait(IDLE_CHECK_S)
                     continue
                 now = time.monotonic()
                 count, full = self._plan(head.group)
