@@ -266,22 +266,19 @@ class Batcher(Generic[T, R]):
         """
         loop = self._loop
         assert loop is not None, "start() the batcher on its event loop first"
-        while True:
-            try:
-                batch = self._take()
-            except Exception as exc:  # a bug here must fail the waiting callers, never strand them
-                self._post(loop, self._die, exc)
-                return
-            if batch is None:
-                return
-            results: list[R] | None = None
-            error: BaseException | None = None
-            try:
-                results = run([e.item for e in batch.entries])
-            except Exception as exc:
-                error = exc
-            if not self._post(loop, self._batch_done, batch, results, error, done):
-                return
+        try:
+            while (batch := self._take()) is not None:
+                results: list[R] | None = None
+                error: BaseException | None = None
+                try:
+                    results = run([e.item for e in batch.entries])
+                except Exception as exc:  # the batch's failure, not the runner's: it serves on
+                    error = exc
+                if not self._post(loop, self._batch_done, batch, results, error, done):
+                    return
+        except BaseException as exc:  # a bug here must fail the waiting callers, never strand them
+            if not self._post(loop, self._die, exc):  # _die logs it, on the loop
+                log.critical("the batcher failed after its event loop closed", exc_info=exc)
 
     def _take(self) -> _Batch[T] | None:
         """Waits for a batch that may run now and takes it out of the queue; None once stopped."""
@@ -390,7 +387,7 @@ class Batcher(Generic[T, R]):
         self._report_depth()
         self._changed.set()
 
-    def _die(self, exc: Exception) -> None:
+    def _die(self, exc: BaseException) -> None:
         log.critical("the batcher failed", exc_info=exc)
         with self._cond:
             self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
