@@ -516,3 +516,53 @@ def test_a_runner_returns_when_its_event_loop_is_gone_without_a_close() -> None:
     for t in threads:
         t.join(WAIT_S)
         assert not t.is_alive()
+
+
+def test_many_callers_racing_two_runners_each_get_exactly_one_outcome() -> None:
+    # Submissions, cancellations and deadlines race two runners that take batches on their own
+    # threads: no item runs twice, every caller ends with its own result, an expiry or its
+    # cancellation, each drop is counted once, and the queue ends empty.
+    import random
+
+    rng = random.Random(7)
+    computed: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def runner(items: list[object]) -> list[object]:
+        with lock:
+            computed.update(items)  # type: ignore[arg-type]
+        return [("done", item) for item in items]
+
+    async def main() -> None:
+        rec = Recorder()
+        b = Batcher(limits(max_batch_size=4, max_queue_size=1000), rec)
+        threads = start(b, runner, runner)
+        loop = asyncio.get_running_loop()
+        futures: dict[int, asyncio.Future] = {}
+        for i in range(600):
+            deadline = loop.time() + rng.choice([-1.0, 0.002, 60.0])
+            futures[i] = submit(b, i, length=rng.randint(1, 4), deadline=deadline, expire=rng.random() < 0.5)
+            if rng.random() < 0.2:
+                await asyncio.sleep(0)
+            if rng.random() < 0.15:
+                futures[rng.randrange(i + 1)].cancel()
+        await asyncio.gather(*futures.values(), return_exceptions=True)
+        outcomes: Counter[str] = Counter()
+        for i, f in futures.items():
+            if f.cancelled():
+                outcomes["cancelled"] += 1
+            elif f.exception() is not None:
+                assert isinstance(f.exception(), DeadlineExpired), f.exception()
+                outcomes["expired"] += 1
+            else:
+                assert f.result() == ("done", i)
+                outcomes["done"] += 1
+        assert all(n == 1 for n in computed.values())  # nothing computed twice
+        assert set(computed) >= {i for i, f in futures.items() if not f.cancelled() and f.exception() is None}
+        assert outcomes["done"] and outcomes["expired"] and outcomes["cancelled"]
+        assert rec.drops["deadline_exceeded"] >= outcomes["expired"]  # and a cancel past its deadline counts there
+        assert rec.drops["deadline_exceeded"] + rec.drops["cancelled"] <= outcomes["expired"] + outcomes["cancelled"]
+        assert b.depth == 0 and await b.drain(WAIT_S) is True
+        await stop(b, threads)
+
+    run(main())
