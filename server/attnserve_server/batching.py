@@ -125,7 +125,7 @@ class Batcher(Generic[T, R]):
         self._limits = limits
         self._observer = observer or _NoObserver()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken twice by one thread
         # Under the lock: the queue, and the batches taken and not yet answered.
         self._groups: dict[Hashable, deque[_Entry[T]]] = {}
         self._depth = 0
