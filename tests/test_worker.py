@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from attnserve_server import allocator, openmp
+from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -152,6 +152,29 @@ def test_the_operators_own_malloc_settings_win(environ, chosen) -> None:
     before = dict(environ)
     assert allocator.set_defaults(environ) == f"left as set ({chosen})"
     assert environ == before
+
+
+_SETTLE = """
+import gc, weakref
+from attnserve_server import pyheap
+class Node: pass
+kept = Node(); kept.cycle = kept  # what startup keeps
+garbage = Node(); garbage.cycle = garbage  # what startup leaves
+dead = weakref.ref(garbage); del garbage
+print(pyheap.settle())
+# the garbage collected; what is kept left out of every later collection; young collections rarer
+print(dead() is None, any(o is kept for o in gc.get_objects()), gc.get_threshold()[0])
+"""
+
+
+def test_settling_the_heap_collects_startup_garbage_and_freezes_the_rest() -> None:
+    # In a process of its own: freezing is for the process's life.
+    run = subprocess.run([sys.executable, "-c", _SETTLE], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    said, checks = run.stdout.splitlines()
+    assert said.endswith(f"startup objects frozen, young threshold {pyheap.YOUNG_THRESHOLD}")
+    assert int(said.split()[0]) > 1000
+    assert checks.split() == ["True", "False", str(pyheap.YOUNG_THRESHOLD)]
 
 
 def test_a_cpu_worker_has_one_lane_no_pinned_memory_and_ignores_cuda_graphs() -> None:

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from attnserve_server import allocator, openmp
+from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.settings import OPTIONS
 
@@ -122,6 +122,8 @@ async def _serve(settings: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     await server.start()
+    # Everything the server keeps is loaded: later collections leave it alone (pyheap.py).
+    logging.getLogger("attnserve").info("gc: %s", pyheap.settle())
     metrics_host = settings.metrics_host or settings.host
     metrics = f"{metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off"
     # One line on stdout for scripts (and tests) that start the server: its real ports.

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
+from attnserve_server import pyheap
 from attnserve_server.batching import BatchLimits, refusal
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
@@ -270,8 +271,9 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
         return 2
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, front.reload_tls)
+    heap = pyheap.settle()  # everything the edge keeps is loaded (pyheap.py)
     engine.send((link.READY,))
-    log.debug("edge %d serving port %d", index, port)
+    log.debug("edge %d serving port %d; gc: %s", index, port, heap)
     grace_s = await engine.stopping
     if grace_s is None:
         log.error("edge %d: %s; stopping", index, ENGINE_LOST)
