@@ -166,7 +166,7 @@ class Batcher(Generic[T, R]):
         `expire`, a timer also fails it at its deadline while it waits. Without, the caller enforces
         the deadline itself (an RPC deadline cancels the call), which spares a timer per request.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()  # (get_running_loop costs a getpid() in 3.11)
         now = time.monotonic()
         expires = math.inf if deadline is None else now + (deadline - loop.time())
         entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
