@@ -566,3 +566,26 @@ def test_many_callers_racing_two_runners_each_get_exactly_one_outcome() -> None:
         await stop(b, threads)
 
     run(main())
+
+
+def test_a_runner_that_dies_mid_batch_answers_that_batch_and_stops_the_batcher() -> None:
+    # Not an Exception (a BaseException the runner cannot serve on after): its own batch is
+    # answered, not stranded in flight, and the batcher refuses from then on.
+    class Fatal(BaseException):
+        pass
+
+    def dying(items: list[object]) -> list[object]:
+        raise Fatal("the worker's thread is done for")
+
+    async def main() -> None:
+        b = Batcher(limits())
+        threads = start(b, dying)
+        with pytest.raises(BatchFailed, match="Fatal: the worker's thread is done for"):
+            await b.submit("x", sequences=1, length=1, group="g")
+        await until(lambda: not threads[0].is_alive())
+        with pytest.raises(ServingError, match="batcher stopped"):
+            await b.submit("after", sequences=1, length=1, group="g")
+        assert await b.drain(WAIT_S) is True  # nothing left in flight
+        await stop(b, threads)
+
+    run(main())

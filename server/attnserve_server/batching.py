@@ -112,6 +112,10 @@ class _Entry(Generic[T]):
 class _Batch(Generic[T]):
     entries: list[_Entry[T]]
     waits_s: list[float]  # each entry's time in the queue
+    items: list[T] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.items = [e.item for e in self.entries]
 
 
 class Batcher(Generic[T, R]):
@@ -178,9 +182,7 @@ class Batcher(Generic[T, R]):
                 self._depth += 1
                 self._cond.notify()
         if refused is not None:
-            if refused[0]:
-                self._observer.dropped(refused[0])
-            raise refused[1]
+            self._refuse(*refused)
         self._report_depth()
         timer = loop.call_at(deadline, self._expire, entry) if expire and deadline is not None else None
         try:
@@ -196,7 +198,8 @@ class Batcher(Generic[T, R]):
                 timer.cancel()
 
     def _refusal(self, nbytes: int) -> tuple[str, ServingError] | None:
-        """Under the lock: the drop reason ("" for a stopped batcher: not a drop) and the error, or None."""
+        """Why an item of `nbytes` would be refused now: the drop reason ("" for a stopped batcher: not
+        a drop) and the error, or None. Exact under the lock; a hint without it."""
         if self._broken is not None:
             return "", self._broken
         refused = refusal(self._limits, self._depth, self._queued_bytes, self._closing)
@@ -213,12 +216,14 @@ class Batcher(Generic[T, R]):
     def check_admission(self) -> None:
         """Raises what `submit` would refuse an item with right now (full queue, shutdown), counting
         the drop: the edge asks before it decodes a request, so shedding at overload costs microseconds."""
-        if self._broken is not None:
-            raise self._broken
-        refused = refusal(self._limits, self._depth, self._queued_bytes, self._closing)
+        refused = self._refusal(0)
         if refused is not None:
-            self._observer.dropped(refused[0])
-            raise refused[1]
+            self._refuse(*refused)
+
+    def _refuse(self, reason: str, error: ServingError) -> None:
+        if reason:
+            self._observer.dropped(reason)
+        raise error
 
     def watch(self, listener: Callable[[int, int, bool], None]) -> None:
         """Calls `listener(depth, queued bytes, closing)` now and after every change the loop sees: an
@@ -266,17 +271,21 @@ class Batcher(Generic[T, R]):
         """
         loop = self._loop
         assert loop is not None, "start() the batcher on its event loop first"
+        batch: _Batch[T] | None = None  # taken and not yet handed back
         try:
             while (batch := self._take()) is not None:
                 results: list[R] | None = None
                 error: BaseException | None = None
                 try:
-                    results = run([e.item for e in batch.entries])
+                    results = run(batch.items)
                 except Exception as exc:  # the batch's failure, not the runner's: it serves on
                     error = exc
-                if not self._post(loop, self._batch_done, batch, results, error, done):
+                taken, batch = batch, None
+                if not self._post(loop, self._batch_done, taken, results, error, done):
                     return
         except BaseException as exc:  # a bug here must fail the waiting callers, never strand them
+            if batch is not None:  # the runner's own batch too
+                self._post(loop, self._batch_done, batch, None, exc, done)
             if not self._post(loop, self._die, exc):  # _die logs it, on the loop
                 log.critical("the batcher failed after its event loop closed", exc_info=exc)
 
@@ -364,7 +373,7 @@ class Batcher(Generic[T, R]):
         try:
             self._observer.batch_started(len(entries), batch.waits_s)
             if done is not None:
-                done([e.item for e in entries], results, error)
+                done(batch.items, results, error)
         except Exception:  # a report is not worth a batch: log it, answer anyway
             log.exception("reporting a finished batch failed")
         self._report_depth()

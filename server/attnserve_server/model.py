@@ -93,7 +93,6 @@ class ServedModel:
         self._torch_threads = torch_threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, Answer] | None = None
-        self._serving: list[asyncio.Future[None]] = []  # each lane's thread, serving the batcher
         self.limits = limits_from_settings(settings)
 
     async def load(self) -> None:
@@ -125,13 +124,9 @@ class ServedModel:
         self._batcher.start()
         # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
         # is free: a CUDA worker takes its next batch while its last one computes.
-        self._serving = [
-            loop.run_in_executor(w.executor, self._batcher.serve, w.run, self._reporter(w))
-            for w in self._workers
-            for _ in range(w.lanes)
-        ]
-        for serving in self._serving:
-            serving.add_done_callback(self._served)
+        for w in self._workers:
+            for _ in range(w.lanes):
+                w.executor.submit(self._batcher.serve, w.run, self._reporter(w))
         self.metrics.describe(
             queue_capacity=b.max_queue_size,
             kind=self.spec.kind.value,
@@ -142,10 +137,6 @@ class ServedModel:
         )
         self.ready = True
         log.info("model %r ready on %s", self.spec.name, ", ".join(self.devices))
-
-    def _served(self, serving: asyncio.Future[None]) -> None:
-        if not serving.cancelled() and serving.exception() is not None:
-            log.critical("a worker thread of model %r stopped serving", self.spec.name, exc_info=serving.exception())
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""
