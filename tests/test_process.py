@@ -99,7 +99,7 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
     # and its malloc settings, unless this environment chose (allocator.py)
     operator = any(k.startswith("MALLOC_") or k == "LD_PRELOAD" for k in os.environ)
     if not operator and "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", ""):
-        assert "malloc: M_MMAP_MAX=0, M_TRIM_THRESHOLD=268435456, M_TOP_PAD=67108864" in log
+        assert "malloc: M_MMAP_MAX=0, M_TRIM_THRESHOLD=1073741824, M_TOP_PAD=67108864, M_ARENA_MAX=1" in log
     # and the heap it keeps, frozen out of later collections once it has started (pyheap.py)
     assert re.search(r"gc: \d+ startup objects frozen, young threshold 5000", log)
 

@@ -107,21 +107,32 @@ def test_the_server_spins_openmp_briefly_unless_the_operator_chose(environ, expe
     assert in_effect == ", ".join(f"{k}={v}" for k, v in expected.items())
 
 
-# Where a 64 MiB array's memory comes from: "[heap]" once malloc stops using mmap, an anonymous
-# mapping of its own otherwise (glibc's threshold adapts up to 32 MiB at most).
-_WHERE_64_MIB = """
-import os, sys
+# Where a 96 MiB array's memory comes from, allocated on the main thread and on another one (as the
+# device worker's): "[heap]" once malloc stops using mmap and keeps every thread on the main arena;
+# an anonymous mapping of its own otherwise (glibc's threshold adapts up to 32 MiB at most, and a
+# thread's own arena serves what its 64 MiB heaps cannot hold with mmap, whatever M_MMAP_MAX says).
+_WHERE_96_MIB = """
+import os, sys, threading
 if sys.argv[1] == "tuned":
     from attnserve_server import allocator
     allocator.set_defaults(os.environ)
 import numpy as np
-a = np.ones(8 << 20)
-address = a.ctypes.data
-for line in open("/proc/self/maps"):
-    span, *rest = line.split()
-    low, high = (int(x, 16) for x in span.split("-"))
-    if low <= address < high:
-        print(rest[-1] if len(rest) == 5 else "anonymous", os.environ.get("MALLOC_MMAP_MAX_"))
+
+def where(found):
+    a = np.ones(12 << 20)
+    address = a.ctypes.data
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            found.append(rest[-1] if len(rest) == 5 else "anonymous")
+
+found = []
+where(found)
+worker = threading.Thread(target=where, args=(found,))
+worker.start()
+worker.join()
+print(*found, os.environ.get("MALLOC_MMAP_MAX_"), os.environ.get("MALLOC_ARENA_MAX"))
 """
 
 
@@ -131,13 +142,14 @@ def test_the_server_keeps_large_buffers_in_its_heap_for_the_next_batch() -> None
     clean.pop("GLIBC_TUNABLES", None)
 
     def where(mode: str) -> list[str]:
-        run = subprocess.run([sys.executable, "-c", _WHERE_64_MIB, mode], env=clean, capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-c", _WHERE_96_MIB, mode], env=clean, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
         return run.stdout.split()
 
-    assert where("default") == ["anonymous", "None"]  # mmap'd, and unmapped again when freed
-    # From the heap, and the processes it starts (edge processes) inherit the setting.
-    assert where("tuned") == ["[heap]", "0"]
+    # mmap'd, and unmapped again when freed, on the main thread and on a worker thread
+    assert where("default") == ["anonymous", "anonymous", "None", "None"]
+    # From the heap on both, and the processes it starts (edge processes) inherit the setting.
+    assert where("tuned") == ["[heap]", "[heap]", "0", "1"]
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,25 @@ faulted its pages in again, one at a time: W1's width at L=256, in batches of 1-
 (scripts/malloc_batches.py). Request and answer buffers of 128 KiB and more take the same path on the
 event loop (not measured apart).
 `serve` (and `bench`, so that the in-process limit is measured the same way) turns mmap off for
-malloc (M_MMAP_MAX=0), keeps up to 256 MiB free at a heap's top (M_TRIM_THRESHOLD) and 64 MiB spare
-per arena (M_TOP_PAD): freed memory stays in the process for the next batch. The cost: the heap
-keeps about its peak size, which the batch limits bound (WL's peak: 713 -> 873 MiB).
+malloc (M_MMAP_MAX=0), keeps up to 1 GiB free at the heap's top (M_TRIM_THRESHOLD), grows it 64 MiB
+beyond each need (M_TOP_PAD), and keeps every thread on the main arena (M_ARENA_MAX=1): freed memory
+stays in the process for the next batch. The cost: the heap keeps about its peak size, which the
+batch limits bound (`max_batch_memory_bytes`; WL's peak: 720 -> 980 MiB).
+
+Why one arena: any other thread gets an arena of its own, built from heaps of at most 64 MiB, and
+glibc serves an allocation that no such heap can hold with mmap whatever M_MMAP_MAX says. The device
+worker's thread faulted a 64 MiB attention matrix in again every batch (E=256, 8 heads, L=512,
+batches of 8 and 16: 16,385 and 32,769 faults a batch, 5.9 ms a sequence against 3.9 on the main
+arena). The main arena grows with brk and has no such limit; threads contend for its lock only
+above tcache's small sizes, and Python's small objects never reach malloc. Why 1 GiB: at L=512 a
+batch of 24 frees more than the 256 MiB kept before, and the next batch faulted it in again.
+Over batches of 1-24 (scripts/malloc_batches.py, µs per sequence, page faults):
+
+| shape | before (256 MiB, arenas per thread) | now |
+| --- | --- | --- |
+| W1's width, L=256 | 1486, 16,899 | 1345, 7,680 |
+| W1's width, L=512 | 5923, 1,552,177 | 4026-4230, 37,888-67,586 |
+| WL (E=1024, 16 heads, L=256) | 13,915, 1,537,880 | 13,053, 92,161 |
 
 An operator's own choice wins: any MALLOC_* variable, malloc tunables in GLIBC_TUNABLES, or another
 allocator preloaded (LD_PRELOAD). Edge processes inherit the setting through the environment.
@@ -22,10 +38,10 @@ import ctypes
 import platform
 from collections.abc import MutableMapping
 
-TRIM_THRESHOLD = 256 << 20
-# A thread's arena beyond the main one grows in heaps of up to 64 MiB; one that empties is unmapped
-# unless the arena keeps this much spare. Without it, batches needing more than one heap (L=128 and
-# up for W1's width) faulted their pages in every time despite the two settings above.
+TRIM_THRESHOLD = 1 << 30
+# What the heap grows by beyond each need. Without it (one arena, the settings above) batches of 1-24
+# at L=512 for W1's width faulted twice as often and peaked at 1086 MiB instead of 710-807: the heap
+# grew in many small steps, and fragmented.
 TOP_PAD = 64 << 20
 # (mallopt(3)'s name and number for the parameter, the environment variable that sets it when a
 # process starts, the value)
@@ -33,6 +49,7 @@ _SETTINGS = (
     ("M_MMAP_MAX", -4, "MALLOC_MMAP_MAX_", 0),
     ("M_TRIM_THRESHOLD", -1, "MALLOC_TRIM_THRESHOLD_", TRIM_THRESHOLD),
     ("M_TOP_PAD", -2, "MALLOC_TOP_PAD_", TOP_PAD),
+    ("M_ARENA_MAX", -8, "MALLOC_ARENA_MAX", 1),
 )
 
 
