@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
+from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.metrics import Metrics
@@ -25,9 +26,10 @@ from attnserve_server.settings import ModelSettings
 from conftest import output_of, request
 
 
-def worker(torch_threads: int | None = None) -> DeviceWorker:
+def worker(torch_threads: int | None = None, small_batch_macs: int = SMALL_BATCH_MACS) -> DeviceWorker:
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
-    return DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), torch_threads)
+    threads = CpuThreads(torch_threads, small_batch_macs)
+    return DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), threads)
 
 
 def test_torch_threads_apply_on_the_worker_thread_itself() -> None:
@@ -80,15 +82,41 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
         assert w1 is None and w2 is None
 
 
-def test_a_cpu_worker_runs_every_batch_on_its_configured_threads() -> None:
-    # With libgomp's short spin (openmp.py) two threads beat one even on a single sequence.
+@pytest.mark.parametrize(
+    ("most", "macs", "requests", "small", "expected"),
+    [
+        (2, 5_000_000, 1, SMALL_BATCH_MACS, 1),  # too small to gain from two threads even alone
+        (2, 19_000_000, 1, SMALL_BATCH_MACS, 2),  # alone (one W1 sequence): every thread
+        (2, 35_000_000, 8, SMALL_BATCH_MACS, 1),  # several requests, little work: the loop needs a core
+        (2, 226_000_000, 12, SMALL_BATCH_MACS, 2),  # several requests, enough work for two
+        (2, 5_000_000, 8, 0, 2),  # the rule off: every batch on every thread
+        (1, 226_000_000, 12, SMALL_BATCH_MACS, 1),  # never more than configured
+        (4, 1_000_000, 1, 500_000, 4),  # a floor set under the "alone" one lowers it too
+    ],
+)
+def test_a_cpu_batch_runs_on_one_thread_when_small(most, macs, requests, small, expected) -> None:
+    assert CpuThreads(None, small).for_batch(most, macs, requests) == expected
+
+
+def test_the_worker_sets_each_batchs_threads_on_its_own_thread() -> None:
+    def threads_after(w: DeviceWorker, *shapes: tuple[int, int, int]) -> int:
+        batch = [request(np.random.default_rng(0).standard_normal(shape, dtype=np.float32)) for shape in shapes]
+        w.executor.submit(w.run, batch).result()
+        # On the worker's own thread, as the server runs batches (OpenMP counts threads per thread).
+        return w.executor.submit(torch.get_num_threads).result()
+
     w = worker(torch_threads=2)
     try:
-        rng = np.random.default_rng(0)
-        for shape in ((1, 4, 16), (64, 64, 16)):
-            w.executor.submit(w.run, [request(rng.standard_normal(shape, dtype=np.float32))]).result()
-            # On the worker's own thread, as the server runs batches (OpenMP counts threads per thread).
-            assert w.executor.submit(torch.get_num_threads).result() == 2
+        # 64 sequences of L=64 at E=16: 12.6 M multiply-adds, over the floor for a request alone
+        assert threads_after(w, (64, 64, 16)) == 2
+        assert threads_after(w, (1, 4, 16), (1, 4, 16)) == 1  # two small requests
+        assert threads_after(w, (32, 64, 16), (32, 64, 16)) == 1  # the same work as two requests
+        assert threads_after(w, (64, 64, 16)) == 2  # and back
+    finally:
+        w.close()
+    w = worker(torch_threads=2, small_batch_macs=0)
+    try:
+        assert threads_after(w, (1, 4, 16), (1, 4, 16)) == 2
     finally:
         w.close()
 

@@ -346,6 +346,7 @@ def inprocess_throughput(
     import torch
 
     from attnserve_server.compute.staging import host_tensor
+    from attnserve_server.compute.threads import CpuThreads
     from attnserve_server.compute.weights import random_projections
     from attnserve_server.compute.worker import DeviceWorker
     from attnserve_server.domain import AttentionRequest
@@ -368,7 +369,7 @@ def inprocess_throughput(
 
     def build() -> tuple[DeviceWorker, list[AttentionRequest]]:
         params = None if info.kind == "sdpa" else random_projections(spec, 0)
-        worker = DeviceWorker(spec, params, torch.device(info.devices[0]), torch_threads)
+        worker = DeviceWorker(spec, params, torch.device(info.devices[0]), CpuThreads(torch_threads))
 
         def tensor(name: str):
             if inputs.get(name) is None:

@@ -11,6 +11,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, PortUnavailable
@@ -53,7 +54,7 @@ class AttnServer:
                 m,
                 self.metrics.for_model(m.name),
                 worker_factory,
-                settings.torch_threads,
+                CpuThreads(settings.torch_threads, settings.small_batch_macs),
                 settings.max_message_bytes,
                 self.tracing,
             )

@@ -71,6 +71,17 @@ def compute_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int,
     return activations * spec.dtype.itemsize + scores
 
 
+def compute_macs(spec: ModelSpec, sequences: int, query_len: int, key_len: int) -> int:
+    """Multiply-adds of computing a (padded) batch: the projections of an MHA model (Q and the output
+    per query position, K and V per key position) and the attention itself (Q·Kᵀ and A·V)."""
+    attention = sequences * query_len * key_len * (spec.embed_dim + spec.vdim)
+    if spec.kind is not ModelKind.MHA:
+        return attention
+    e = spec.embed_dim
+    projections = sequences * (query_len * 2 * e * e + key_len * (spec.kdim + spec.vdim) * e)
+    return projections + attention
+
+
 @dataclass(frozen=True, slots=True)
 class BatchKey:
     """Requests batch together only when they run the same computation."""

@@ -12,6 +12,7 @@ import torch
 from attnserve_server import dtypes
 from attnserve_server.batching import BatchDone, Batcher, BatchLimits
 from attnserve_server.compute.devices import resolve_devices
+from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
@@ -22,9 +23,9 @@ from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
-# (spec, weights on the CPU, device, torch_threads) -> a worker with run(), warmup(), close(), executor,
+# (spec, weights on the CPU, device, CPU threads) -> a worker with run(), warmup(), close(), executor,
 # name, lanes and pinned_bytes().
-WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, int | None], DeviceWorker]
+WorkerFactory = Callable[[ModelSpec, Projections | None, torch.device, CpuThreads | None], DeviceWorker]
 
 
 def resolve_dtype(setting: str, devices: list[torch.device] | None = None) -> str:
@@ -76,7 +77,7 @@ class ServedModel:
         settings: ModelSettings,
         metrics: ModelMetrics,
         worker_factory: WorkerFactory,
-        torch_threads: int | None = None,
+        threads: CpuThreads | None = None,
         max_message_bytes: int = 256 << 20,
         tracing: Tracing | None = None,
     ) -> None:
@@ -90,7 +91,7 @@ class ServedModel:
         self.devices: list[str] = []
         self.ready = False
         self._worker_factory = worker_factory
-        self._torch_threads = torch_threads
+        self._threads = threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, Answer] | None = None
         self.limits = limits_from_settings(settings)
@@ -110,7 +111,7 @@ class ServedModel:
             params = await loop.run_in_executor(loader, load_projections, self.spec, self.settings.weights)
             for device in devices:
                 worker = await loop.run_in_executor(
-                    loader, self._worker_factory, self.spec, params, device, self._torch_threads
+                    loader, self._worker_factory, self.spec, params, device, self._threads
                 )
                 self._workers.append(worker)
         finally:

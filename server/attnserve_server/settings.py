@@ -85,6 +85,7 @@ class ServerSettings:
     grace_s: float = 10.0
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
+    small_batch_macs: int = 128_000_000
     log_level: str = "INFO"
     # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
     tls_cert: str | None = None
@@ -135,6 +136,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
+    Option(
+        "small-batch-macs",
+        "server",
+        int,
+        "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0: never"
+        " (default 128000000)",
+    ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),
     Option("tls-key", "server", str, "PEM private key of --tls-cert"),
@@ -379,6 +387,8 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
+    _check(settings.torch_threads is None or settings.torch_threads >= 1, "torch_threads: expected >= 1")
+    _check(settings.small_batch_macs >= 0, f"small_batch_macs: expected >= 0, got {settings.small_batch_macs}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(
         settings.event_loop in EVENT_LOOPS,

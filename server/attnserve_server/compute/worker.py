@@ -13,8 +13,17 @@ import torch
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.graphs import GraphedAttention
 from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
+from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections
-from attnserve_server.domain import Answer, AttentionRequest, BatchReport, HostTensor, ModelKind, ModelSpec
+from attnserve_server.domain import (
+    Answer,
+    AttentionRequest,
+    BatchReport,
+    HostTensor,
+    ModelKind,
+    ModelSpec,
+    compute_macs,
+)
 
 
 class _CudaPhases:
@@ -72,7 +81,7 @@ class DeviceWorker:
     `lanes` batches at once (one on the CPU; CUDA_LANES on a GPU)."""
 
     def __init__(
-        self, spec: ModelSpec, params: Projections | None, device: torch.device, torch_threads: int | None = None
+        self, spec: ModelSpec, params: Projections | None, device: torch.device, threads: CpuThreads | None = None
     ) -> None:
         self.spec = spec
         self.device = device
@@ -89,9 +98,10 @@ class DeviceWorker:
             widths = spec.embed_dim + (0 if spec.self_attention else spec.kdim + spec.vdim)
             for lane in self._lanes:
                 lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
-        self._torch_threads = torch_threads
+        self._threads = threads if threads is not None else CpuThreads()
         # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
-        # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread.
+        # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread
+        # (and, on the CPU, per batch: compute/threads.py).
         self.executor = ThreadPoolExecutor(
             max_workers=self.lanes, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
@@ -109,8 +119,19 @@ class DeviceWorker:
     def _start_thread(self) -> None:
         """Each executor thread takes a lane of its own for good."""
         self._local.lane = self._free_lanes.pop()
-        if self._torch_threads:
-            torch.set_num_threads(self._torch_threads)
+        if self._threads.count:
+            torch.set_num_threads(self._threads.count)
+
+    def _set_cpu_threads(self, sequences: int, query_len: int, key_len: int, requests: int) -> None:
+        """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why)."""
+        local = self._local
+        if not hasattr(local, "most"):  # this thread's first batch: what it may use at most
+            local.most = local.current = self._threads.count or torch.get_num_threads()
+        macs = compute_macs(self.spec, sequences, query_len, key_len)
+        wanted = self._threads.for_batch(local.most, macs, requests)
+        if wanted != local.current:
+            torch.set_num_threads(wanted)
+            local.current = wanted
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory the worker holds (0 on the CPU)."""
@@ -136,6 +157,8 @@ class DeviceWorker:
         n = sum(r.sequences for r in requests)
         length = max(r.query_len for r in requests)
         s = max(r.key_len for r in requests)
+        if not self._cuda:
+            self._set_cpu_threads(n, length, s, len(requests))
         stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             # 1. stage inputs, padded to the batch's longest query and key
