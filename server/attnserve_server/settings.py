@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
         "small-batch-macs",
         "server",
         int,
-        "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0: never"
+        "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0 turns this off"
         " (default 128000000)",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
