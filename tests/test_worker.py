@@ -19,6 +19,7 @@ from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.domain import compute_macs
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.settings import ModelSettings
@@ -96,6 +97,19 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
 )
 def test_a_cpu_batch_runs_on_one_thread_when_small(most, macs, requests, small, expected) -> None:
     assert CpuThreads(None, small).for_batch(most, macs, requests) == expected
+
+
+def test_a_batchs_multiply_adds_count_projections_and_attention() -> None:
+    w1 = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))
+    # one W1 sequence: Q and out (2·64·256²) + K and V (2·64·256²) + Q·Kᵀ and A·V (2·64·64·256)
+    assert compute_macs(w1, 1, 64, 64) == 4 * 64 * 256**2 + 2 * 64 * 64 * 256 == 18_874_368
+    assert compute_macs(w1, 12, 64, 64) == 12 * 18_874_368
+    # cross attention with narrower values: V projects to embed_dim before A·V
+    narrow = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, kdim=32, vdim=16, device=("cpu",)))
+    assert compute_macs(narrow, 1, 64, 100) == 2 * 64 * 256**2 + 100 * (32 + 16) * 256 + 2 * 64 * 100 * 256
+    # the bare operation: attention only, values as given
+    bare = spec_from_settings(ModelSettings(kind="sdpa", embed_dim=256, num_heads=8, vdim=64, device=("cpu",)))
+    assert compute_macs(bare, 2, 64, 100) == 2 * 64 * 100 * (256 + 64)
 
 
 def test_the_worker_sets_each_batchs_threads_on_its_own_thread() -> None:

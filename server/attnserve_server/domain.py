@@ -73,11 +73,12 @@ def compute_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int,
 
 def compute_macs(spec: ModelSpec, sequences: int, query_len: int, key_len: int) -> int:
     """Multiply-adds of computing a (padded) batch: the projections of an MHA model (Q and the output
-    per query position, K and V per key position) and the attention itself (Q·Kᵀ and A·V)."""
-    attention = sequences * query_len * key_len * (spec.embed_dim + spec.vdim)
-    if spec.kind is not ModelKind.MHA:
-        return attention
+    per query position, K and V per key position) and the attention itself (Q·Kᵀ and A·V, whose
+    values are V projected to embed_dim in an MHA model, V as given in the bare operation)."""
     e = spec.embed_dim
+    if spec.kind is not ModelKind.MHA:
+        return sequences * query_len * key_len * (e + spec.vdim)
+    attention = sequences * query_len * key_len * 2 * e
     projections = sequences * (query_len * 2 * e * e + key_len * (spec.kdim + spec.vdim) * e)
     return projections + attention
 
