@@ -3,7 +3,8 @@
 # perf_analyzer drives W1 over KServe v2, then a table per thread (scripts/profile_summary.py).
 #
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
-#                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags)
+#                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags),
+#                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput and the server's CPU time per request, by thread
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
@@ -40,9 +41,10 @@ fi
 
 MODE_FLAG=()
 [ "$MODE" = async ] && MODE_FLAG=(--async)
+# shellcheck disable=SC2086 # PA_ARGS: words on purpose
 LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-data "$OUT/query.json" \
   --concurrency-range "$CONC:$CONC" --measurement-interval $((SECONDS_PA * 1000 / 3)) -s 1000 -r 3 \
-  "${MODE_FLAG[@]}" >"$OUT/perf_analyzer.log" 2>&1 &
+  "${MODE_FLAG[@]}" ${PA_ARGS:-} >"$OUT/perf_analyzer.log" 2>&1 &
 LOAD=$!
 # utime + stime of every thread of the server process and of its children (edge processes)
 cpu_ticks() { for p in $PID $(pgrep -P "$PID"); do awk '{print $14 + $15}' "/proc/$p/stat"; done | awk '{s += $1} END {print s}'; }

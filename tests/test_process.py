@@ -143,6 +143,30 @@ def test_sigterm_under_load_answers_every_call_ok_or_unavailable_never_cancelled
     assert set(codes) <= {"OK", "UNAVAILABLE"}, dict(codes)
 
 
+def test_sigterm_does_not_wait_out_its_grace_for_a_client_that_keeps_its_connection_idle(server_process) -> None:
+    # perf_analyzer keeps its connections open after the server's GOAWAY, and gRPC's own stop waits
+    # for every connection to close: the server used to sit out its whole grace (here 60 s) before it
+    # exited. This client speaks HTTP/2's preface and then ignores everything, as such a client does.
+    server = ServerProcess("--embed-dim", "32", "--num-heads", "4", "--grace-s", "60", "--device", "cpu")
+    server_process.append(server)
+    host, port = server.target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as idle:
+        idle.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # preface, SETTINGS
+        assert idle.recv(9)[3] == 4  # the server's SETTINGS: the connection is up
+        # retries off: the first refusal is the server's own answer, not a reconnection's
+        with Client(server.target, timeout_s=30, retries=False) as c:
+            c.attend(np.ones((4, 32), np.float32))
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(AttnServeError) as late:
+                while True:
+                    c.attend(np.ones((4, 32), np.float32), timeout_s=5)
+        assert late.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in late.value.message or "connect" in late.value.message, late.value.message
+        assert server.proc.wait(timeout=12) == 0  # not after gRPC's own wait for the idle connection (20 s)
+    log = server.proc.stderr.read()
+    assert "grace of 60.0s ran out" not in log, log[-2000:]
+
+
 BLOCK_TORCH = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):

@@ -16,7 +16,7 @@ from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
-from attnserve_server.errors import ModelNotReady
+from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.settings import ModelSettings
 from attnserve_server.tracing import Tracing
@@ -90,6 +90,7 @@ class ServedModel:
         self.metrics = metrics
         self.devices: list[str] = []
         self.ready = False
+        self._draining = False
         self._worker_factory = worker_factory
         self._threads = threads
         self._workers: list[DeviceWorker] = []
@@ -157,14 +158,14 @@ class ServedModel:
     def check_admission(self) -> None:
         """Raises if a request would be refused now (not ready, queue full, shutting down)."""
         if self._batcher is None or not self.ready:
-            raise ModelNotReady(f"model {self.spec.name!r} is not ready yet")
+            raise self._unready()
         self._batcher.check_admission()
 
     async def submit(self, request: AttentionRequest, deadline: float | None = None, *, expire: bool = True) -> Answer:
         """Queues a request and returns its answer. `deadline` is on the loop's clock; `expire` arms a
         timer for it, needed only where the call does not enforce it (KServe's `timeout` parameter)."""
         if self._batcher is None or not self.ready:
-            raise ModelNotReady(f"model {self.spec.name!r} is not ready yet")
+            raise self._unready()
         return await self._batcher.submit(
             request,
             sequences=request.sequences,
@@ -189,8 +190,14 @@ class ServedModel:
         """Totals since start, for KServe's ModelStatistics."""
         return self.metrics.stats
 
+    def _unready(self) -> ServingError:
+        if self._draining:
+            return ShuttingDown(f"model {self.spec.name!r}: the server is shutting down and takes no new requests")
+        return ModelNotReady(f"model {self.spec.name!r} is not ready yet")
+
     async def drain(self, timeout_s: float) -> bool:
         self.ready = False
+        self._draining = True
         return True if self._batcher is None else await self._batcher.drain(timeout_s)
 
     def close(self) -> None:

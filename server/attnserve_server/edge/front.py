@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher, Servable
-from attnserve_server.edge.registration import add_service
+from attnserve_server.edge.registration import CallsInFlight, add_service
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import ModelMetrics
@@ -42,6 +42,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STREAM_LOOKAHEAD_BYTES = 16 * 1024 * 1024
 # After the models have drained, how long late calls are still answered UNAVAILABLE before gRPC stops.
 SHUTDOWN_LINGER_S = 0.25
+# Once every inference call the front took is answered, how long gRPC may still take to send the last
+# answers before it closes the connections that remain (clients that ignore GOAWAY keep theirs).
+CLOSE_GRACE_S = 1.0
 
 
 def _reflection_pool() -> descriptor_pool.DescriptorPool:
@@ -91,12 +94,15 @@ class GrpcFront:
             ]
         )
         dispatcher = Dispatcher(models, unknown_model_metrics, tracing)
+        self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
         native = pb.DESCRIPTOR.services_by_name["AttentionService"]
-        add_service(self.server, AttentionServicer(dispatcher), native, auth)
-        add_service(self.server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth)
+        add_service(self.server, AttentionServicer(dispatcher), native, auth, self.calls)
+        add_service(
+            self.server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth, self.calls
+        )
         open_services = {name.strip() for name in s.auth_open.split(",")}
         health_auth = None if "health" in open_services else auth
         add_service(self.server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
@@ -134,7 +140,12 @@ class GrpcFront:
 
     async def stop(self, deadline: float) -> None:
         """A moment more of UNAVAILABLE answers for calls already on their way (the models have
-        drained), then gRPC stops: the answers in flight go out before `deadline` (loop clock)."""
+        drained), then the calls still running (a stream its client keeps open) until `deadline`
+        (loop clock) at most, then gRPC stops, its last answers sent within CLOSE_GRACE_S.
+
+        gRPC's own grace would also wait for every client to close its connection, which a client
+        that ignores GOAWAY never does: the server would always take its whole grace to exit."""
         loop = asyncio.get_running_loop()
         await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
-        await self.server.stop(max(0.0, deadline - loop.time()))
+        await self.calls.settled(deadline - loop.time())
+        await self.server.stop(min(CLOSE_GRACE_S, max(0.0, deadline - loop.time())))

@@ -4,10 +4,14 @@ gRPC's generated registration parses each request before the handler runs, and a
 answers UNKNOWN with a traceback and ends a stream. Here a request that does not parse arrives as an
 `Undecodable` instead: a unary call answers INVALID_ARGUMENT in one line, and a stream's handler
 answers that message in band and goes on (see `in_band_error`).
+
+With `calls`, the service's handlers are counted while they run, so a stopping server knows when
+every call it took has been answered (`CallsInFlight`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -50,6 +54,41 @@ def note_undecodable(request: Undecodable, peer: str, method: str) -> None:
         log.warning("%s from %s: %s (logged once a minute per peer)", method, host, request.status_message)
 
 
+class CallsInFlight:
+    """How many calls of the counted services are in their handlers (on the event loop).
+
+    gRPC's own stop waits, for as long as its grace allows, until every client has closed its
+    connection, and a client with an idle channel (perf_analyzer's, or any that ignores HTTP/2
+    GOAWAY) never does: a server under such load used to take its whole grace to exit. The front
+    waits for this count instead, then gives gRPC a short grace of its own (`front.CLOSE_GRACE_S`).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None  # while `settled` waits
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def exit(self) -> None:
+        self.count -= 1
+        if not self.count and self._idle is not None:
+            self._idle.set()
+
+    async def settled(self, timeout_s: float) -> bool:
+        """Waits until no counted call is running (True), or `timeout_s` (False)."""
+        if not self.count:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._idle = None
+
+
 def _parser(cls):
     name = cls.DESCRIPTOR.full_name
 
@@ -73,23 +112,35 @@ async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) 
         await context.abort(exc.code, exc.message)
 
 
-def _unary(handler, method: str, auth: TokenAuth | None):
+def _unary(handler, method: str, auth: TokenAuth | None, calls: CallsInFlight | None):
     async def unary(request, context: grpc.aio.ServicerContext):
-        if auth is not None:
-            await _authorise(auth, context)
-        if isinstance(request, Undecodable):
-            note_undecodable(request, context.peer(), method)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
-        return await handler(request, context)
+        if calls is not None:
+            calls.enter()
+        try:
+            if auth is not None:
+                await _authorise(auth, context)
+            if isinstance(request, Undecodable):
+                note_undecodable(request, context.peer(), method)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
+            return await handler(request, context)
+        finally:
+            if calls is not None:
+                calls.exit()
 
     return unary
 
 
-def _streaming(handler, auth: TokenAuth | None):
+def _streaming(handler, auth: TokenAuth | None, calls: CallsInFlight | None):
     async def streaming(request_iterator, context: grpc.aio.ServicerContext):
-        await _authorise(auth, context)
-        async for response in handler(request_iterator, context):
-            yield response
+        if calls is not None:
+            calls.enter()
+        try:
+            await _authorise(auth, context)
+            async for response in handler(request_iterator, context):
+                yield response
+        finally:
+            if calls is not None:
+                calls.exit()
 
     return streaming
 
@@ -103,19 +154,24 @@ _KINDS = {
 
 
 def add_service(
-    server: grpc.aio.Server, servicer: object, service: ServiceDescriptor, auth: TokenAuth | None = None
+    server: grpc.aio.Server,
+    servicer: object,
+    service: ServiceDescriptor,
+    auth: TokenAuth | None = None,
+    calls: CallsInFlight | None = None,
 ) -> None:
     """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED);
-    with `auth`, every call needs a known bearer token."""
+    with `auth`, every call needs a known bearer token; with `calls`, every call is counted while
+    its handler runs."""
     handlers = {}
     for method in service.methods:
         behaviour = getattr(servicer, method.name, None)
         if behaviour is None:
             continue
         if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
-            behaviour = _unary(behaviour, method.name, auth)
-        elif auth is not None and method.client_streaming and inspect.isasyncgenfunction(behaviour):
-            behaviour = _streaming(behaviour, auth)  # only for the token: streams answer undecodables in band
+            behaviour = _unary(behaviour, method.name, auth, calls)
+        elif (auth or calls) is not None and method.client_streaming and inspect.isasyncgenfunction(behaviour):
+            behaviour = _streaming(behaviour, auth, calls)  # streams answer undecodables in band
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=_parser(GetMessageClass(method.input_type)),
