@@ -205,6 +205,18 @@ def test_an_edge_process_imports_no_torch() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
+def test_the_engine_side_layers_import_no_grpc() -> None:
+    # Batching, compute and the domain (its errors too: they carry status names) know no protocol.
+    import subprocess
+    import sys
+
+    modules = ["errors", "domain", "batching", "compute.worker", "compute.devices", "compute.weights", "compute.graphs"]
+    imports = "".join(f"import attnserve_server.{m}\n" for m in modules)
+    code = f"import sys\n{imports}print(sorted(m for m in sys.modules if 'grpc' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
 def test_more_edges_than_the_default_thread_pool_has_threads() -> None:
     # Nothing waits on an edge process in a thread (a pidfd tells its exit): with 8 edges on a small
     # machine asyncio's default pool (cores + 4 threads) still runs statistics and shutdown.

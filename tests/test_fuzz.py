@@ -99,7 +99,7 @@ def _status_of_decode(decode) -> grpc.StatusCode:
     try:
         decode()
     except ServingError as exc:
-        return exc.code
+        return grpc.StatusCode[exc.status]
     return grpc.StatusCode.OK
 
 

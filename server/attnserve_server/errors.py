@@ -1,14 +1,17 @@
-"""Domain errors. Each carries its gRPC status code: this hierarchy is the one mapping table."""
+"""Domain errors. Each carries the status its caller gets: this hierarchy is the one mapping table.
+
+A status is the name of a gRPC status code ("UNAVAILABLE"), the codes of every API served (the
+native one and KServe v2 over gRPC). It is kept as a name so that this module, and the batching and
+compute code that raise these errors, import no gRPC; the edge turns it into a `grpc.StatusCode`.
+"""
 
 from __future__ import annotations
 
-import grpc
-
 
 class ServingError(Exception):
-    """An error the caller should see, with the status code it maps to."""
+    """An error the caller should see, with the status it maps to."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    status: str = "INTERNAL"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -16,41 +19,41 @@ class ServingError(Exception):
 
 
 class InvalidArgument(ServingError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
 
 
 class ModelNotFound(ServingError):
-    code = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
 
 
 class QueueFull(ServingError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = "RESOURCE_EXHAUSTED"
 
 
 class DeadlineExpired(ServingError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
 
 
 class ShuttingDown(ServingError):
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
 
 
 class ModelNotReady(ServingError):
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
 
 
 class Unauthenticated(ServingError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    status = "UNAUTHENTICATED"
 
 
 class PermissionDenied(ServingError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    status = "PERMISSION_DENIED"
 
 
 class BatchFailed(ServingError):
     """The worker raised while running the batch this request was in."""
 
-    code = grpc.StatusCode.INTERNAL
+    status = "INTERNAL"
 
 
 class ConfigError(ValueError):
@@ -80,11 +83,11 @@ def shape_text(shape) -> str:
     return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, …] ({len(dims)} dimensions)"
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The (code, message) a caller sees for an exception; unexpected ones are INTERNAL."""
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """The (status name, message) a caller sees for an exception; unexpected ones are INTERNAL."""
     if isinstance(exc, ServingError):
         message = exc.message
         if len(message) > MAX_STATUS_CHARS:
             message = message[: MAX_STATUS_CHARS - 1] + "…"
-        return exc.code, message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        return exc.status, message
+    return "INTERNAL", f"internal error: {type(exc).__name__}"

@@ -81,7 +81,8 @@ def caller_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str
     else INTERNAL, logged here with its traceback (the one place that logs it)."""
     if not isinstance(exc, ServingError):
         log.error("unexpected error in %s", method, exc_info=exc)
-    return status_of(exc)
+    status, message = status_of(exc)
+    return grpc.StatusCode[status], message
 
 
 def unary_errors(handler):
@@ -179,7 +180,7 @@ class Dispatcher:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except BaseException as exc:
-            code, _ = status_of(exc)
+            code = grpc.StatusCode[status_of(exc)[0]]
             raise
         finally:
             metrics.request_done(method, code, time.perf_counter() - received)

@@ -109,7 +109,7 @@ async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) 
     try:
         allowed_models.set(auth.authenticate(context.invocation_metadata()))
     except Unauthenticated as exc:
-        await context.abort(exc.code, exc.message)
+        await context.abort(grpc.StatusCode[exc.status], exc.message)
 
 
 def _unary(handler, method: str, auth: TokenAuth | None, calls: CallsInFlight | None):

@@ -18,7 +18,6 @@ import sys
 import threading
 from dataclasses import dataclass
 
-import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
@@ -54,7 +53,7 @@ class EngineFailure(ServingError):
 
     def __init__(self, code_name: str, message: str) -> None:
         super().__init__(message)
-        self.code = grpc.StatusCode[code_name]
+        self.status = code_name
 
 
 ENGINE_LOST = "the server's engine process stopped; retry (another replica, or this one once restarted)"

@@ -170,8 +170,8 @@ class Edge:
         except Exception as exc:
             if not isinstance(exc, ServingError):
                 log.error("unexpected error serving a request from edge %d", self.index, exc_info=exc)
-            code, text = status_of(exc)
-            self.send((link.FAILED, rid, code.name, text))
+            status, text = status_of(exc)
+            self.send((link.FAILED, rid, status, text))
             return
         output, weights = answer.output, answer.weights
         at, room = sub.answer_at, sub.answer_room
