@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -165,6 +166,34 @@ def test_sigterm_does_not_wait_out_its_grace_for_a_client_that_keeps_its_connect
         assert server.proc.wait(timeout=12) == 0  # not after gRPC's own wait for the idle connection (20 s)
     log = server.proc.stderr.read()
     assert "grace of 60.0s ran out" not in log, log[-2000:]
+
+
+def test_sigterm_ends_a_stream_its_client_keeps_open_unavailable_once_its_requests_are_answered(
+    server_process,
+) -> None:
+    # A bidirectional stream left open (a client between requests) would hold a stopping server for
+    # its whole grace, then end "Cancelling all calls". It ends once its requests are answered, with
+    # UNAVAILABLE telling the client to open it again elsewhere.
+    server = ServerProcess("--embed-dim", "32", "--num-heads", "4", "--grace-s", "60", "--device", "cpu")
+    server_process.append(server)
+    outgoing: queue.Queue = queue.Queue()
+
+    def requests() -> Iterator[dict]:
+        while (item := outgoing.get()) is not None:
+            yield item
+
+    with Client(server.target, timeout_s=30, retries=False) as c:
+        answers = c.attend_stream(requests())
+        outgoing.put({"query": np.ones((4, 32), np.float32)})
+        first = next(answers)
+        assert first.error is None and first.output.shape == (4, 32)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(AttnServeError) as ended:
+            next(answers)
+        outgoing.put(None)
+    assert ended.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "open the stream again" in ended.value.message, ended.value.message
+    assert server.proc.wait(timeout=12) == 0  # not at the end of its 60 s grace
 
 
 BLOCK_TORCH = """

@@ -20,7 +20,7 @@ import grpc
 
 from attnserve_server.batching import DEADLINE_SLACK_S
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
-from attnserve_server.errors import ModelNotFound, ServingError, clip, status_of
+from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.security import check_model_allowed
 from attnserve_server.settings import ModelSettings
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 R = TypeVar("R")
 _END = object()
+_CLOSING = object()
+STREAM_CLOSED = "the server is shutting down; open the stream again (another replica, or this one once restarted)"
 
 
 class Servable(Protocol):
@@ -111,6 +113,7 @@ class Dispatcher:
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, once it handles a call
+        self.closing = asyncio.Event()  # set when the front stops: open streams end (`stream`)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         # Python 3.11's get_running_loop() makes a getpid() system call each time: 1-2% of the
@@ -134,6 +137,18 @@ class Dispatcher:
         """The call's deadline on the event loop's clock (None: the caller set none)."""
         remaining = context.time_remaining()
         return None if remaining is None else self._running_loop().time() + remaining
+
+    async def stream(
+        self, messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[R]:
+        """A bidirectional stream's answers (see `answer_concurrently`); once the server stops and
+        every request read has its answer, the stream ends UNAVAILABLE, which tells its client to
+        open it again elsewhere."""
+        try:
+            async for response in answer_concurrently(messages, answer, self.closing):
+                yield response
+        except ShuttingDown as exc:
+            await context.abort(*caller_status(exc, "stream"))
 
     async def handle(
         self,
@@ -188,28 +203,53 @@ class Dispatcher:
                 self.tracing.request_done(span, code.name, received, answer.batch if answer is not None else None)  # type: ignore[union-attr]
 
 
-async def answer_concurrently(messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]]) -> AsyncIterator[R]:
+async def answer_concurrently(
+    messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]], closing: asyncio.Event | None = None
+) -> AsyncIterator[R]:
     """A stream's requests run concurrently (and batch together); answers go out as they finish.
 
-    `answer` must not raise for a request's own failure (streams answer those in band).
+    `answer` must not raise for a request's own failure (streams answer those in band). Once
+    `closing` is set (the server is stopping), the stream ends with ShuttingDown as soon as every
+    request read so far has its answer: a client that keeps its stream open cannot hold a stopping
+    server for its whole grace.
     """
     answers: asyncio.Queue = asyncio.Queue()
+    unanswered = 0  # requests read and not yet answered
 
     async def one(msg: M) -> None:
         answers.put_nowait(await answer(msg))
 
     async def read() -> None:
+        nonlocal unanswered
         try:
             async with asyncio.TaskGroup() as group:
                 async for msg in messages:
+                    unanswered += 1
                     group.create_task(one(msg))
         finally:
             answers.put_nowait(_END)
 
+    async def watch(event: asyncio.Event) -> None:
+        await event.wait()
+        answers.put_nowait(_CLOSING)
+
     reader = asyncio.create_task(read())
+    watcher = None if closing is None else asyncio.create_task(watch(closing))
+    closed = False
     try:
-        while (item := await answers.get()) is not _END:
+        while True:
+            if closed and not unanswered:
+                raise ShuttingDown(STREAM_CLOSED)
+            item = await answers.get()
+            if item is _END:
+                break
+            if item is _CLOSING:
+                closed = True
+                continue
+            unanswered -= 1
             yield item
         await reader
     finally:
         reader.cancel()
+        if watcher is not None:
+            watcher.cancel()

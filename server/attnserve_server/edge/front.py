@@ -93,7 +93,7 @@ class GrpcFront:
                 ("grpc.so_reuseport", 1 if share_port else 0),
             ]
         )
-        dispatcher = Dispatcher(models, unknown_model_metrics, tracing)
+        self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
@@ -140,12 +140,14 @@ class GrpcFront:
 
     async def stop(self, deadline: float) -> None:
         """A moment more of UNAVAILABLE answers for calls already on their way (the models have
-        drained), then the calls still running (a stream its client keeps open) until `deadline`
-        (loop clock) at most, then gRPC stops, its last answers sent within CLOSE_GRACE_S.
+        drained), then the calls still running until `deadline` (loop clock) at most (open streams
+        end UNAVAILABLE once their requests are answered), then gRPC stops, its last answers sent
+        within CLOSE_GRACE_S.
 
         gRPC's own grace would also wait for every client to close its connection, which a client
         that ignores GOAWAY never does: the server would always take its whole grace to exit."""
         loop = asyncio.get_running_loop()
+        self._dispatcher.closing.set()  # open streams end once their requests are answered
         await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
         await self.calls.settled(deadline - loop.time())
         await self.server.stop(min(CLOSE_GRACE_S, max(0.0, deadline - loop.time())))

@@ -17,7 +17,6 @@ from attnserve_server.edge.dispatch import (
     Dispatcher,
     Servable,
     Timing,
-    answer_concurrently,
     caller_status,
     unary_errors,
 )
@@ -133,5 +132,6 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[v2.ModelStreamInferResponse]:
-        async for response in answer_concurrently(request_iterator, lambda m: self._infer_in_band(m, context)):
+        answers = self._dispatch.stream(request_iterator, lambda m: self._infer_in_band(m, context), context)
+        async for response in answers:
             yield response

@@ -15,7 +15,6 @@ from attnserve_server.edge.dispatch import (
     Encode,
     Servable,
     Timing,
-    answer_concurrently,
     caller_status,
     unary_errors,
 )
@@ -70,7 +69,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttendResponse]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
-        answers = answer_concurrently(request_iterator, lambda m: self._answer_in_band(m, deadline, context))
+        answers = self._dispatch.stream(request_iterator, lambda m: self._answer_in_band(m, deadline, context), context)
         async for response in answers:
             yield response
 
