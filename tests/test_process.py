@@ -196,6 +196,30 @@ def test_sigterm_ends_a_stream_its_client_keeps_open_unavailable_once_its_reques
     assert server.proc.wait(timeout=12) == 0  # not at the end of its 60 s grace
 
 
+def test_sigterm_ends_an_open_kserve_stream_unavailable_too(server_process) -> None:
+    from tritonclient.grpc import service_pb2 as v2
+    from tritonclient.grpc import service_pb2_grpc as v2_grpc
+
+    server = ServerProcess("--embed-dim", "32", "--num-heads", "4", "--grace-s", "60", "--device", "cpu")
+    server_process.append(server)
+    outgoing: queue.Queue = queue.Queue()
+    query = v2.ModelInferRequest.InferInputTensor(name="query", datatype="FP32", shape=[1, 4, 32])
+    request = v2.ModelInferRequest(model_name="default", inputs=[query])
+    request.raw_input_contents.append(np.ones((1, 4, 32), np.float32).tobytes())
+    with grpc.insecure_channel(server.target) as channel:
+        answers = v2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(outgoing.get, None), timeout=30)
+        outgoing.put(request)
+        first = next(answers)
+        assert first.error_message == "" and first.infer_response.outputs[0].shape == [1, 4, 32]
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(answers)
+        outgoing.put(None)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "open the stream again" in ended.value.details(), ended.value.details()
+    assert server.proc.wait(timeout=12) == 0
+
+
 BLOCK_TORCH = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
