@@ -4,7 +4,8 @@
 #
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags),
-#                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request)
+#                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request,
+#                                        and its counts, so every "per request" figure, are then per sequence)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput and the server's CPU time per request, by thread
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
