@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnserve_server.compute.threads import SMALL_BATCH_MACS
 from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
@@ -85,7 +86,7 @@ class ServerSettings:
     grace_s: float = 10.0
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
-    small_batch_macs: int = 128_000_000
+    small_batch_macs: int = SMALL_BATCH_MACS
     log_level: str = "INFO"
     # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
     tls_cert: str | None = None
@@ -141,7 +142,7 @@ OPTIONS: tuple[Option, ...] = (
         "server",
         int,
         "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0 turns this off"
-        " (default 128000000)",
+        f" (default {SMALL_BATCH_MACS})",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),
@@ -387,7 +388,10 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
-    _check(settings.torch_threads is None or settings.torch_threads >= 1, "torch_threads: expected >= 1")
+    _check(
+        settings.torch_threads is None or settings.torch_threads >= 1,
+        f"torch_threads: expected >= 1, got {settings.torch_threads}",
+    )
     _check(settings.small_batch_macs >= 0, f"small_batch_macs: expected >= 0, got {settings.small_batch_macs}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(

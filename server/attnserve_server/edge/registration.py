@@ -170,8 +170,9 @@ def add_service(
             continue
         if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
             behaviour = _unary(behaviour, method.name, auth, calls)
-        elif (auth or calls) is not None and method.client_streaming and inspect.isasyncgenfunction(behaviour):
-            behaviour = _streaming(behaviour, auth, calls)  # streams answer undecodables in band
+        elif method.client_streaming and inspect.isasyncgenfunction(behaviour):
+            wrap = auth is not None or calls is not None  # streams answer undecodables in band themselves
+            behaviour = _streaming(behaviour, auth, calls) if wrap else behaviour
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=_parser(GetMessageClass(method.input_type)),
