@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from attnserve import Client
 from attnserve_server.settings import WeightsSettings
 
-from conftest import Running, model, running, settings
+from conftest import TEST_DEVICE, Running, model, running, settings
 
 E, H = 32, 4
 TOL = 1e-5
@@ -202,3 +202,33 @@ def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) ->
         close(got.attention_weights, a)
     # (3+5 + 8+2 + 6+9) real positions of 3 x (8+9) padded ones.
     assert padding == pytest.approx(1 - 33 / 51)
+
+
+def test_far_apart_lengths_share_a_batch_and_compute_in_groups(parity) -> None:
+    """Lengths 2, 200 and 5 in one batch: on the CPU 2 and 5 run padded to 5, 200 on its own (compute/groups.py)."""
+    mha = random_mha(5)
+    tmp = Path(parity[0].server.settings.models[0].weights.path).parent
+    m = model(
+        "apart",
+        embed_dim=E,
+        num_heads=H,
+        max_batch_size=3,
+        max_queue_delay_ms=60_000,
+        weights=WeightsSettings(format="torch", path=write(tmp, "apart", mha.state_dict())),
+    )
+    queries = [rand(1, 2, E), rand(1, 200, E), rand(1, 5, E)]
+    with running(settings(m)) as handle, Client(handle.target) as c:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(c.attend, q, causal=True, need_weights=True) for q in queries]
+            results = [f.result(timeout=60) for f in futures]
+        padding = handle.sample("attnserve_batch_padding_ratio_sum", model="apart")
+    for q, got in zip(queries, results, strict=True):
+        assert got.timing.batch_size == 3
+        y, a = reference(mha, q, q, q, causal=True, need_weights=True)
+        close(got.output, y)
+        close(got.attention_weights, a)
+    # 2+2 + 200+200 + 5+5 = 414 real positions of 200+200 + 2 x (5+5) = 420 computed; on CUDA a batch
+    # stays one group, all three padded to 200: 3 x (200+200).
+    assert padding == pytest.approx(1 - 414 / (420 if TEST_DEVICE == "cpu" else 1200))

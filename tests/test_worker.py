@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
+from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -59,6 +60,48 @@ def test_a_batch_report_counts_tokens_and_padding() -> None:
     assert abs(report.padding_fraction - (1 - 22 / 30)) < 1e-9
     assert [a.output_shape for a in answers] == [(2, 3, 16), (1, 5, 16)]
     assert [output_of(a).shape for a in answers] == [(2, 3, 16), (1, 5, 16)]
+
+
+def w1_spec():
+    return spec_from_settings(ModelSettings(device=("cpu",)))  # W1: E=256, 8 heads
+
+
+def test_length_groups_join_equal_and_tiny_lengths_and_part_far_apart_ones() -> None:
+    spec = w1_spec()
+
+    def groups(lengths: list[int]) -> list[list[int]]:
+        requests = [request(np.zeros((1, n, 256), np.float32)) for n in lengths]
+        found = length_groups(spec, requests)
+        assert sorted(id(r) for g in found for r in g) == sorted(map(id, requests))  # each request once
+        return sorted(sorted(r.query_len for r in g) for g in found)
+
+    assert groups([64] * 16) == [[64] * 16]  # the common case: one batch
+    assert groups([128, 64, 64, 1]) == [[1], [64, 64], [128]]  # padding 1 or 64 to 128 costs more than a call
+    assert groups([7, 3, 1, 2]) == [[1, 2, 3, 7]]  # padding a few tokens costs less than a call
+    tiny = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
+    mixed = [request(np.zeros((1, n, 16), np.float32)) for n in (3, 50, 9)]
+    # A small model's whole batch is one call's worth of work: one group, longest first.
+    assert length_groups(tiny, mixed) == [[mixed[1], mixed[2], mixed[0]]]
+
+
+def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone() -> None:
+    spec = w1_spec()
+    w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(1))
+    lengths = [128, 64, 7, 64, 1, 100, 3]
+    try:
+        requests = [request(np.random.randn(1, n, 256).astype(np.float32)) for n in lengths]
+        batch = w.run(requests)
+        alone = [w.run([r])[0] for r in requests]
+    finally:
+        w.close()
+    for together, itself in zip(batch, alone, strict=True):
+        assert together.output_shape == itself.output_shape
+        np.testing.assert_allclose(output_of(together), output_of(itself), rtol=1e-4, atol=1e-5)
+    report = batch[0].batch
+    assert report.requests == len(lengths) and report.tokens == sum(lengths)
+    # Padded within its groups only: {128}, {100}, {64, 64}, {7, 3, 1} -> 128 + 100 + 128 + 21.
+    assert report.padded_tokens == 377
+    assert report.padding_fraction == pytest.approx(1 - 2 * sum(lengths) / (2 * 377))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -12,6 +12,7 @@ import torch
 
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.graphs import GraphedAttention
+from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections
@@ -24,6 +25,15 @@ from attnserve_server.domain import (
     ModelSpec,
     compute_macs,
 )
+
+
+def _padded(requests: list[AttentionRequest]) -> tuple[int, int, int]:
+    """(sequences, longest query, longest key): the padded batch that requests run as together."""
+    return (
+        sum(r.sequences for r in requests),
+        max(r.query_len for r in requests),
+        max(r.key_len for r in requests),
+    )
 
 
 class _CudaPhases:
@@ -122,12 +132,11 @@ class DeviceWorker:
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
-    def _set_cpu_threads(self, sequences: int, query_len: int, key_len: int, requests: int) -> None:
+    def _set_cpu_threads(self, macs: int, requests: int) -> None:
         """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why)."""
         local = self._local
         if not hasattr(local, "most"):  # this thread's first batch: what it may use at most
             local.most = local.current = self._threads.count or torch.get_num_threads()
-        macs = compute_macs(self.spec, sequences, query_len, key_len)
         wanted = self._threads.for_batch(local.most, macs, requests)
         if wanted != local.current:
             torch.set_num_threads(wanted)
@@ -148,20 +157,80 @@ class DeviceWorker:
         return to_numpy(host)
 
     def run(self, requests: list[AttentionRequest]) -> list[Answer]:
-        """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it)."""
+        """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it).
+
+        On the CPU a batch of mixed lengths runs as groups of similar length (compute/groups.py)."""
         start = time.perf_counter()
         # A call from outside the executor (tests, the in-process benchmark) runs on the first lane.
         lane: _Lane = getattr(self._local, "lane", self._lanes[0])
+        groups = [requests] if self._cuda else length_groups(self.spec, requests)
+        shapes = [_padded(group) for group in groups]
+        if not self._cuda:
+            self._set_cpu_threads(sum(compute_macs(self.spec, *shape) for shape in shapes), len(requests))
+        staged_s = computed_s = 0.0
+        gpu_s = None
+        outputs: list[bytes] = []
+        weights: list[bytes] | None = None
+        heads: tuple[int, ...] = ()
+        for group, shape in zip(groups, shapes, strict=True):
+            out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
+            staged_s += stage_s
+            computed_s += compute_s
+            outputs += split(out_host, group, key_axis=False)
+            if weights_host is not None:
+                heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
+                weights = (weights or []) + split(weights_host, group, key_axis=True)
+        width = out_host.shape[-1]
+        if groups[0] is not requests:  # grouped by length: back in the batch's order
+            order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
+            outputs = [outputs[order[id(r)]] for r in requests]
+            weights = None if weights is None else [weights[order[id(r)]] for r in requests]
+        end = time.perf_counter()
+        total = end - start
+        if gpu_s is None:
+            input_s, infer_s, output_s = staged_s, computed_s, total - staged_s - computed_s
+        else:  # one group on CUDA: the GPU's own clocks
+            infer_s, output_s = gpu_s
+            input_s = max(0.0, total - infer_s - output_s)  # host staging, copies in, launch latency
+        real = sum(r.sequences * (r.query_len + r.key_len) for r in requests)
+        report = BatchReport(
+            started=start,
+            compute_s=total,
+            input_s=input_s,
+            infer_s=infer_s,
+            output_s=output_s,
+            requests=len(requests),
+            sequences=sum(n for n, _, _ in shapes),
+            tokens=sum(r.sequences * r.query_len for r in requests),
+            padded_tokens=sum(n * length for n, length, _ in shapes),
+            padding_fraction=1.0 - real / sum(n * (length + s) for n, length, s in shapes),
+        )
+        answers = []
+        for i, r in enumerate(requests):
+            answers.append(
+                Answer(
+                    output=outputs[i],
+                    output_shape=(r.sequences, r.query_len, width),
+                    weights=None if weights is None else weights[i],
+                    weights_shape=None if weights is None else (r.sequences, *heads, r.query_len, r.key_len),
+                    batch=report,
+                )
+            )
+        return answers
+
+    def _run_group(
+        self, lane: _Lane, requests: list[AttentionRequest], shape: tuple[int, int, int]
+    ) -> tuple[np.ndarray, np.ndarray | None, tuple[float, float, tuple[float, float] | None]]:
+        """Runs requests as one batch of `shape` (sequences, longest query, longest key). Returns the
+        output (and weights) on the host, and the seconds spent staging and computing, with on CUDA
+        the GPU's own (attention, copies back)."""
+        start = time.perf_counter()
         timer = _CudaPhases(lane.stream) if lane.stream is not None else None
         first = requests[0]
-        n = sum(r.sequences for r in requests)
-        length = max(r.query_len for r in requests)
-        s = max(r.key_len for r in requests)
-        if not self._cuda:
-            self._set_cpu_threads(n, length, s, len(requests))
+        n, length, s = shape
         stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
-            # 1. stage inputs, padded to the batch's longest query and key
+            # 1. stage inputs, padded to the longest query and key
             roles = [([r.query for r in requests], length)]
             if first.key is not None:
                 roles.append(([r.key for r in requests], s))  # type: ignore[misc]
@@ -193,50 +262,15 @@ class DeviceWorker:
             if timer is not None:
                 timer.mark(1)
             computed = time.perf_counter()
-            # 3. results to the host once (one copy each on CUDA), then one slice per request
+            # 3. results to the host once (one copy each on CUDA)
             out_host = self._to_host(lane.out, out)
             weights_host = self._to_host(lane.weights_out, weights)
-            if lane.stream is not None:
-                timer.mark(2)  # type: ignore[union-attr]
-                lane.stream.synchronize()
-            synced = time.perf_counter()
-            outputs = split(out_host, requests, key_axis=False)  # type: ignore[arg-type]
-            weights_parts = split(weights_host, requests, key_axis=True) if weights_host is not None else None
-        end = time.perf_counter()
-        total = end - start
-        if timer is None:
-            input_s, infer_s, output_s = staged - start, computed - staged, end - computed
-        else:
-            infer_s, copy_back_s = timer.seconds()
-            output_s = copy_back_s + (end - synced)
-            input_s = max(0.0, total - infer_s - output_s)  # host staging, copies in, launch latency
-        real = sum(r.sequences * (r.query_len + r.key_len) for r in requests)
-        report = BatchReport(
-            started=start,
-            compute_s=total,
-            input_s=input_s,
-            infer_s=infer_s,
-            output_s=output_s,
-            requests=len(requests),
-            sequences=n,
-            tokens=sum(r.sequences * r.query_len for r in requests),
-            padded_tokens=n * length,
-            padding_fraction=1.0 - real / (n * (length + s)),
-        )
-        width = out_host.shape[-1]  # type: ignore[union-attr]
-        heads = () if weights_host is None or weights_host.ndim == 3 else (weights_host.shape[1],)
-        answers = []
-        for i, r in enumerate(requests):
-            answers.append(
-                Answer(
-                    output=outputs[i],
-                    output_shape=(r.sequences, r.query_len, width),
-                    weights=None if weights_parts is None else weights_parts[i],
-                    weights_shape=None if weights_parts is None else (r.sequences, *heads, r.query_len, r.key_len),
-                    batch=report,
-                )
-            )
-        return answers
+            gpu_s = None
+            if timer is not None:
+                timer.mark(2)
+                lane.stream.synchronize()  # type: ignore[union-attr]
+                gpu_s = timer.seconds()
+        return out_host, weights_host, (staged - start, computed - staged, gpu_s)  # type: ignore[return-value]
 
     def example_request(
         self, length: int, need_weights: bool = False, causal: bool = False, key_lengths: int | None = None
