@@ -5,7 +5,8 @@
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags),
 #                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request,
-#                                        and its counts, so every "per request" figure, are then per sequence)
+#                                        and its counts, so every "per request" figure, are then per sequence),
+#                                        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput and the server's CPU time per request, by thread
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
@@ -21,11 +22,15 @@ PA=$(scripts/perf_analyzer.sh --setup)
 CUDART=$(ls -d .cache/perf-venv/lib/python3*/site-packages/nvidia/cuda_runtime/lib)
 MODEL=${MODEL:-default} INPUT=${INPUT:-query}
 
-"$VENV/bin/python" -c 'import base64, json, sys, numpy as np
+if [ -n "${INPUT_DATA:-}" ]; then
+  cp "$INPUT_DATA" "$OUT/query.json"
+else
+  "$VENV/bin/python" -c 'import base64, json, sys, numpy as np
 L, E = int(sys.argv[2]), int(sys.argv[3])
 x = np.random.default_rng(0).standard_normal((L, E)).astype("<f4")
 json.dump({"data": [{sys.argv[4]: {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [L, E]}}]}, open(sys.argv[1], "w"))' \
-  "$OUT/query.json" "$L" "$E" "$INPUT"
+    "$OUT/query.json" "$L" "$E" "$INPUT"
+fi
 
 if [ -z "${PID:-}" ]; then
   PORT=$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
