@@ -25,7 +25,7 @@ from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.settings import ModelSettings
 
-from conftest import output_of, request
+from conftest import output_of, request, weights_of
 
 
 def worker(torch_threads: int | None = None, small_batch_macs: int = SMALL_BATCH_MACS) -> DeviceWorker:
@@ -84,12 +84,14 @@ def test_length_groups_join_equal_and_tiny_lengths_and_part_far_apart_ones() -> 
     assert length_groups(tiny, mixed) == [[mixed[1], mixed[2], mixed[0]]]
 
 
-def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone() -> None:
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone(need_weights: bool) -> None:
     spec = w1_spec()
     w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(1))
     lengths = [128, 64, 7, 64, 1, 100, 3]
     try:
-        requests = [request(np.random.randn(1, n, 256).astype(np.float32)) for n in lengths]
+        queries = [np.random.randn(1, n, 256).astype(np.float32) for n in lengths]
+        requests = [request(q, need_weights=need_weights) for q in queries]  # weights per head
         batch = w.run(requests)
         alone = [w.run([r])[0] for r in requests]
     finally:
@@ -97,6 +99,10 @@ def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone()
     for together, itself in zip(batch, alone, strict=True):
         assert together.output_shape == itself.output_shape
         np.testing.assert_allclose(output_of(together), output_of(itself), rtol=1e-4, atol=1e-5)
+        if need_weights:
+            n = itself.output_shape[1]
+            assert together.weights_shape == itself.weights_shape == (1, 8, n, n)
+            np.testing.assert_allclose(weights_of(together), weights_of(itself), rtol=1e-4, atol=1e-6)
     report = batch[0].batch
     assert report.requests == len(lengths) and report.tokens == sum(lengths)
     # Padded within its groups only: {128}, {100}, {64, 64}, {7, 3, 1} -> 128 + 100 + 128 + 21.
