@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,28 +176,35 @@ def test_bare_operation_matches_scaled_dot_product_attention(default_server: Run
     close(got.attention_weights, weights.numpy())
 
 
-def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) -> None:
-    """Three requests of different L and S, padded into one batch (max_batch_size=3 closes it)."""
-    mha = random_mha(4)
+def in_one_batch(parity, name: str, seed: int, inputs: list[tuple[np.ndarray, ...]]):
+    """Serves a model of its own whose batch closes at len(inputs) requests (and never by delay),
+    sends every input at once with causal masking and weights, and returns the reference module,
+    the results and the batch's padding share."""
+    mha = random_mha(seed)
     tmp = Path(parity[0].server.settings.models[0].weights.path).parent
     m = model(
-        "mixed",
+        name,
         embed_dim=E,
         num_heads=H,
-        max_batch_size=3,
+        max_batch_size=len(inputs),
         max_queue_delay_ms=60_000,
-        weights=WeightsSettings(format="torch", path=write(tmp, "mixed", mha.state_dict())),
+        weights=WeightsSettings(format="torch", path=write(tmp, name, mha.state_dict())),
     )
-    inputs = [(rand(1, 3, E), rand(1, 5, E)), (rand(1, 8, E), rand(1, 2, E)), (rand(1, 6, E), rand(1, 9, E))]
     with running(settings(m)) as handle, Client(handle.target) as c:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(c.attend, q, kv, causal=True, need_weights=True) for q, kv in inputs]
+        with concurrent.futures.ThreadPoolExecutor(len(inputs)) as pool:
+            futures = [pool.submit(c.attend, *args, causal=True, need_weights=True) for args in inputs]
             results = [f.result(timeout=60) for f in futures]
-        padding = handle.sample("attnserve_batch_padding_ratio_sum", model="mixed")
+        padding = handle.sample("attnserve_batch_padding_ratio_sum", model=name)
+    for got in results:
+        assert got.timing.batch_size == len(inputs)
+    return mha, results, padding
+
+
+def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) -> None:
+    """Three requests of different L and S, padded into one batch (max_batch_size=3 closes it)."""
+    inputs = [(rand(1, 3, E), rand(1, 5, E)), (rand(1, 8, E), rand(1, 2, E)), (rand(1, 6, E), rand(1, 9, E))]
+    mha, results, padding = in_one_batch(parity, "mixed", 4, inputs)
     for (q, kv), got in zip(inputs, results, strict=True):
-        assert got.timing.batch_size == 3
         y, a = reference(mha, q, kv, kv, causal=True, need_weights=True)
         close(got.output, y)
         close(got.attention_weights, a)
@@ -206,26 +214,9 @@ def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) ->
 
 def test_far_apart_lengths_share_a_batch_and_compute_in_groups(parity) -> None:
     """Lengths 2, 200 and 5 in one batch: on the CPU 2 and 5 run padded to 5, 200 on its own (compute/groups.py)."""
-    mha = random_mha(5)
-    tmp = Path(parity[0].server.settings.models[0].weights.path).parent
-    m = model(
-        "apart",
-        embed_dim=E,
-        num_heads=H,
-        max_batch_size=3,
-        max_queue_delay_ms=60_000,
-        weights=WeightsSettings(format="torch", path=write(tmp, "apart", mha.state_dict())),
-    )
     queries = [rand(1, 2, E), rand(1, 200, E), rand(1, 5, E)]
-    with running(settings(m)) as handle, Client(handle.target) as c:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(c.attend, q, causal=True, need_weights=True) for q in queries]
-            results = [f.result(timeout=60) for f in futures]
-        padding = handle.sample("attnserve_batch_padding_ratio_sum", model="apart")
+    mha, results, padding = in_one_batch(parity, "apart", 5, [(q,) for q in queries])
     for q, got in zip(queries, results, strict=True):
-        assert got.timing.batch_size == 3
         y, a = reference(mha, q, q, q, causal=True, need_weights=True)
         close(got.output, y)
         close(got.attention_weights, a)
