@@ -330,6 +330,29 @@ def test_bench_prints_a_table_with_the_in_process_ratio_and_the_floor(default_se
     assert all(row["ratio"] > 0 for row in served) and all(row["ratio"] is None for row in floor)
 
 
+def test_bench_sends_mixed_lengths_in_turn(default_server: Running, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    tokens = default_server.sample("attnserve_tokens_total", model="default")
+    sequences = default_server.sample("attnserve_batch_sequences_sum", model="default")
+    r = run_cli(
+        *("bench", "--target", default_server.target, "--model", "default", "--concurrency", "3"),
+        *("--duration-s", "0.5", "--warmup-s", "0.2", "--processes", "1", "--inprocess-s", "0.2"),
+        *("--seq-len", "8,2,5", "--json", str(out)),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "request: batch 1 x L=8,2,5" in r.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] > 0 and row["errors"] == 0 and row["ratio"] > 0
+    # Every length was sent: the server computed 5 query tokens a sequence on average, not 8.
+    mean = (default_server.sample("attnserve_tokens_total", model="default") - tokens) / (
+        default_server.sample("attnserve_batch_sequences_sum", model="default") - sequences
+    )
+    assert 4 < mean < 6
+    bad = run_cli("bench", "--target", default_server.target, "--seq-len", "8,0")
+    assert bad.returncode == 2
+    assert "--seq-len: expected a length or a comma list of lengths >= 1, got '8,0'" in bad.stderr
+
+
 def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) -> None:
     r = run_cli("serve", "--num-heads", "3", "--metrics-port", "-1")
     assert r.returncode == 2 and "embed_dim: 256 is not divisible by num_heads 3" in r.stderr

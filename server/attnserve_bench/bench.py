@@ -45,7 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
     p.add_argument("--processes", type=int, default=0, help="client processes (default: min(concurrency, cores))")
     p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
-    p.add_argument("--seq-len", type=int, default=64, help="query length L (default 64)")
+    p.add_argument(
+        "--seq-len",
+        type=_lengths,
+        default=(64,),
+        help="query length L, or a comma list of lengths the requests take in turn: mixed lengths, "
+        "one per request (default 64)",
+    )
     p.add_argument("--kv-len", type=int, help="key length S: cross attention (MHA) or K/V length (sdpa)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -96,7 +102,7 @@ FLOOR = "grpc floor (echo)"
 def _client_process(
     target: str,
     connection: dict[str, Any],
-    request: bytes,
+    requests: list[bytes],
     concurrency: int,
     start_at: float,
     warmup_s: float,
@@ -124,8 +130,11 @@ def _client_process(
     batches: list[int] = []
     errors: list[str] = []
 
-    async def one_slot(attend: Any) -> None:
+    async def one_slot(attend: Any, turn: int) -> None:
+        # Each slot takes the requests in turn (mixed lengths), starting at its own.
         while (now := time.time()) < end_at:
+            request = requests[turn % len(requests)]
+            turn += 1
             t0 = time.perf_counter()
             try:
                 reply = await attend(request, timeout=30, wait_for_ready=True, metadata=metadata)
@@ -152,7 +161,7 @@ def _client_process(
                 response_deserializer=pb.AttendResponse.FromString,
             )
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            await asyncio.gather(*(one_slot(attend) for _ in range(concurrency)))
+            await asyncio.gather(*(one_slot(attend, slot * concurrency + i) for i in range(concurrency)))
 
     asyncio.run(main())
     results.put((latencies, batches, errors))
@@ -180,16 +189,31 @@ def _progress(label: str) -> Any:
     return tqdm(desc=f"  {label}", unit=" req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected a length or a comma list of lengths >= 1, got {text!r}")
+    return lengths
+
+
+def _inputs(info: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One request's inputs per --seq-len length, in its order."""
     rng = np.random.default_rng(0)
-    shape = (args.batch, args.seq_len, info.embed_dim)
+    return [_request_inputs(info, args, length, rng) for length in args.seq_len]
+
+
+def _request_inputs(info: Any, args: argparse.Namespace, seq_len: int, rng: np.random.Generator) -> dict[str, Any]:
+    shape = (args.batch, seq_len, info.embed_dim)
     inputs: dict[str, Any] = {
         "query": rng.standard_normal(shape, dtype=np.float32),
         "model": info.name,
         "causal": args.causal,
         "dtype": None if info.dtype == "float32" else info.dtype,
     }
-    kv_len = args.kv_len or (args.seq_len if info.kind == "sdpa" else None)
+    kv_len = args.kv_len or (seq_len if info.kind == "sdpa" else None)
     if kv_len is not None and info.kind == "mha" and info.kdim == info.vdim:
         # One X' for key and value, as a cross-attention user sends it.
         inputs["key_value"] = rng.standard_normal((args.batch, kv_len, info.kdim), dtype=np.float32)
@@ -199,11 +223,13 @@ def _inputs(info: Any, args: argparse.Namespace) -> dict[str, Any]:
     return inputs
 
 
-def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argparse.Namespace, label: str) -> Row:
+def _run_level(
+    target: str, inputs: list[dict[str, Any]], concurrency: int, args: argparse.Namespace, label: str
+) -> Row:
     from attnserve import Request
     from attnserve._codec import encode_request
 
-    request = encode_request(Request(**inputs)).SerializeToString()
+    requests = [encode_request(Request(**one)).SerializeToString() for one in inputs]
     ctx = mp.get_context("spawn")  # no fork after gRPC has started threads
     procs = min(concurrency, args.processes or os.cpu_count() or 1)
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
@@ -216,7 +242,7 @@ def _run_level(target: str, inputs: dict[str, Any], concurrency: int, args: argp
             args=(
                 target,
                 args.connection,
-                request,
+                requests,
                 share,
                 start_at,
                 args.warmup_s,
@@ -340,9 +366,10 @@ def _start_echo(target: str, model: str) -> tuple[Any, str]:
 
 
 def inprocess_throughput(
-    info: Any, inputs: dict[str, Any], batch_requests: int, seconds: float = 3.0, torch_threads: int | None = None
+    info: Any, inputs: list[dict[str, Any]], batch_requests: int, seconds: float = 3.0, torch_threads: int | None = None
 ) -> float:
-    """Requests/s of the model computed directly on a device worker, batch_requests at a time."""
+    """Requests/s of the model computed directly on a device worker, batch_requests at a time (taking
+    the inputs in turn when there are several)."""
     import torch
 
     from attnserve_server.compute.staging import host_tensor
@@ -371,16 +398,19 @@ def inprocess_throughput(
         params = None if info.kind == "sdpa" else random_projections(spec, 0)
         worker = DeviceWorker(spec, params, torch.device(info.devices[0]), CpuThreads(torch_threads))
 
-        def tensor(name: str):
-            if inputs.get(name) is None:
-                return None
-            t = torch.from_numpy(inputs[name]).to(worker.dtype)
-            return host_tensor(t if t.dim() == 3 else t.unsqueeze(0))
+        def request(one: dict[str, Any]) -> AttentionRequest:
+            def tensor(name: str):
+                if one.get(name) is None:
+                    return None
+                t = torch.from_numpy(one[name]).to(worker.dtype)
+                return host_tensor(t if t.dim() == 3 else t.unsqueeze(0))
 
-        shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
-        key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
-        request = AttentionRequest(tensor("query"), key, value, None, inputs["causal"], False, False, unbatched=False)
-        return worker, [request] * batch_requests
+            shared = tensor("key_value")  # as the edge does: one tensor serves as key and value
+            key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
+            return AttentionRequest(tensor("query"), key, value, None, one["causal"], False, False, unbatched=False)
+
+        requests = [request(one) for one in inputs]
+        return worker, [requests[i % len(requests)] for i in range(batch_requests)]
 
     # Built on a thread that ends here, as the server loads its models: a thread that ran torch keeps
     # an OpenMP pool while it lives, and one beside the worker's slows it (scripts/omp_pools.py).
@@ -497,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     if info is not None:
         print(
             f"model {info.name}: {info.kind}, E={info.embed_dim}, heads={info.num_heads}, {info.dtype}, "
-            f"on {','.join(info.devices)}; request: batch {args.batch} x L={args.seq_len}"
+            f"on {','.join(info.devices)}; request: batch {args.batch} x L={','.join(map(str, args.seq_len))}"
             + (f", S={args.kv_len}" if args.kv_len else "")
             + (", causal" if args.causal else "")
         )

@@ -31,17 +31,21 @@ from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 _INPUTS = ("query", "key_value", "key", "value")
 
 
-def input_data(inputs: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """perf_analyzer's --input-data JSON: one sequence per input (it adds the batch dim, -b), as raw b64."""
-    entry = {}
-    for name in _INPUTS:
-        array = inputs.get(name)
-        if array is None:
-            continue
-        one = np.ascontiguousarray(array[0], dtype=np.float32)
-        raw = float32_to_bfloat16_bits(one).tobytes() if dtype == "bfloat16" else one.astype(dtype).tobytes()
-        entry[name] = {"b64": base64.b64encode(raw).decode(), "shape": list(one.shape)}
-    return {"data": [entry]}
+def input_data(inputs: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
+    """perf_analyzer's --input-data JSON: an entry per request's inputs (perf_analyzer takes them in
+    turn), one sequence per input (it adds the batch dim, -b), as raw b64."""
+    data = []
+    for request in inputs:
+        entry = {}
+        for name in _INPUTS:
+            array = request.get(name)
+            if array is None:
+                continue
+            one = np.ascontiguousarray(array[0], dtype=np.float32)
+            raw = float32_to_bfloat16_bits(one).tobytes() if dtype == "bfloat16" else one.astype(dtype).tobytes()
+            entry[name] = {"b64": base64.b64encode(raw).decode(), "shape": list(one.shape)}
+        data.append(entry)
+    return {"data": data}
 
 
 def _env(binary: str) -> dict[str, str]:
@@ -86,14 +90,14 @@ def command(
 def run_level(
     target: str,
     data: dict[str, Any],
-    inputs: dict[str, Any],
+    inputs: list[dict[str, Any]],
     concurrency: int,
     mode: str,
     args: argparse.Namespace,
     label: str,
 ):
 
-    model = inputs["model"]
+    model = inputs[0]["model"]
     with tempfile.TemporaryDirectory(prefix="attnserve-pa-") as tmp:
         data_path, csv_path = os.path.join(tmp, "input.json"), os.path.join(tmp, "report.csv")
         with open(data_path, "w") as f:
