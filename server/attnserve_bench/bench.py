@@ -394,7 +394,7 @@ def inprocess_throughput(
     )
     spec = spec_from_settings(settings)
 
-    def build() -> tuple[DeviceWorker, list[AttentionRequest]]:
+    def build() -> tuple[DeviceWorker, list[list[AttentionRequest]]]:
         params = None if info.kind == "sdpa" else random_projections(spec, 0)
         worker = DeviceWorker(spec, params, torch.device(info.devices[0]), CpuThreads(torch_threads))
 
@@ -409,26 +409,30 @@ def inprocess_throughput(
             key, value = (shared, shared) if shared is not None else (tensor("key"), tensor("value"))
             return AttentionRequest(tensor("query"), key, value, None, one["causal"], False, False, unbatched=False)
 
+        # One cycle: as many batches as there are inputs, so that each input is in the cycle's batches
+        # batch_requests times (a single input: one batch of it).
         requests = [request(one) for one in inputs]
-        return worker, [requests[i % len(requests)] for i in range(batch_requests)]
+        n = len(requests)
+        return worker, [[requests[(j * batch_requests + i) % n] for i in range(batch_requests)] for j in range(n)]
 
     # Built on a thread that ends here, as the server loads its models: a thread that ran torch keeps
     # an OpenMP pool while it lives, and one beside the worker's slows it (scripts/omp_pools.py).
     with ThreadPoolExecutor(1) as loader:
-        worker, batch = loader.submit(build).result()
+        worker, cycle = loader.submit(build).result()
 
     def measure() -> float:
         worker.warmup()
-        for _ in range(3):
+        for batch in cycle if len(cycle) >= 3 else cycle * 3:
             worker.run(batch)
-        # The median batch time: this machine's neighbours come and go, and one slow batch is not the limit.
+        # The median cycle time: this machine's neighbours come and go, and one slow cycle is not the limit.
         times: list[float] = []
         start = time.perf_counter()
         while time.perf_counter() - start < seconds or len(times) < 5:
             t0 = time.perf_counter()
-            worker.run(batch)
+            for batch in cycle:
+                worker.run(batch)
             times.append(time.perf_counter() - t0)
-        return batch_requests / float(np.median(times))
+        return batch_requests * len(cycle) / float(np.median(times))
 
     try:
         # On the worker's own thread, as in the server.
