@@ -442,7 +442,7 @@ def test_perf_analyzer_drives_the_kserve_api_and_reads_server_statistics(tmp_pat
     out = tmp_path / "pa.json"
     r = run_cli(
         *("bench", "--perf-analyzer", str(PERF_ANALYZER), "--pa-modes", "sync,async", "--concurrency", "1,4"),
-        *("--duration-s", "0.5", "--seq-len", "8", "--embed-dim", "64", "--num-heads", "4", "--causal"),
+        *("--duration-s", "0.5", "--seq-len", "8,3", "--embed-dim", "64", "--num-heads", "4", "--causal"),
         *("--no-inprocess", "--json", str(out)),
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -453,6 +453,6 @@ def test_perf_analyzer_drives_the_kserve_api_and_reads_server_statistics(tmp_pat
         ("pa-async", 1),
         ("pa-async", 4),
     ]
-    # requests and errors are the server's own counts over each run (ModelStatistics).
+    # requests and errors are the server's own counts over each run (ModelStatistics), of both lengths in turn.
     assert all(row["requests"] > 0 and row["errors"] == 0 and row["throughput_rps"] > 0 for row in rows)
     assert "Server: " in r.stderr and "Successful request count" in r.stderr  # perf_analyzer read the statistics
