@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import shutil
 import subprocess
 
@@ -498,3 +499,23 @@ def test_allow_tf32_turns_tf32_on_for_the_process_and_is_off_by_default() -> Non
             assert c.model().dtype == "float32"  # auto on the CPU
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_float16_on_a_cpu_without_float16_instructions_logs_a_warning(caplog, monkeypatch, tmp_path) -> None:
+    from attnserve_server import model as served
+    from attnserve_server.compute.devices import cpu_flags, float16_is_slow
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "sse2", "avx512f", "avx512_bf16"}
+    assert cpu_flags(str(tmp_path / "absent")) == frozenset()
+    assert float16_is_slow(cpu_flags(str(cpuinfo))) and not float16_is_slow(frozenset({"avx512_fp16"}))
+
+    warning = "float16 on a CPU without float16 matrix instructions"
+    for flags, warned in ((frozenset({"avx512f", "avx512_bf16"}), True), (frozenset({"amx_fp16"}), False)):
+        monkeypatch.setattr(served, "cpu_flags", lambda flags=flags: flags)
+        caplog.clear()
+        half = settings(model(embed_dim=E, num_heads=4, dtype="float16", device=("cpu",)))
+        with caplog.at_level(logging.WARNING, logger="attnserve_server.model"), running(half):
+            pass
+        assert any(warning in r.getMessage() for r in caplog.records) == warned

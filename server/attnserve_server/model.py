@@ -11,7 +11,7 @@ import torch
 
 from attnserve_server import dtypes
 from attnserve_server.batching import BatchDone, Batcher, BatchLimits
-from attnserve_server.compute.devices import resolve_devices
+from attnserve_server.compute.devices import FLOAT16_FLAGS, cpu_flags, float16_is_slow, resolve_devices
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -139,6 +139,13 @@ class ServedModel:
         )
         self.ready = True
         log.info("model %r ready on %s", self.spec.name, ", ".join(self.devices))
+        if self.spec.dtype.setting == "float16" and "cpu" in self.devices and float16_is_slow(cpu_flags()):
+            log.warning(
+                "model %r: float16 on a CPU without float16 matrix instructions (%s) is slow in torch, "
+                "~10x bfloat16 (README: Devices); bfloat16 or float32 serve faster here",
+                self.spec.name,
+                ", ".join(sorted(FLOAT16_FLAGS)),
+            )
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""
