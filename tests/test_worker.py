@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry
 from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
+from attnserve_server.compute.staging import host_tensor
 from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import compute_macs
+from attnserve_server.domain import AttentionRequest, compute_macs
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.settings import ModelSettings
@@ -108,6 +109,28 @@ def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone(n
     # Padded within its groups only: {128}, {100}, {64, 64}, {7, 3, 1} -> 128 + 100 + 128 + 21.
     assert report.padded_tokens == 377
     assert report.padding_fraction == pytest.approx(1 - 2 * sum(lengths) / (2 * 377))
+
+
+def test_cross_attention_of_far_apart_key_lengths_runs_in_groups_and_answers_as_each_alone() -> None:
+    spec = w1_spec()
+    w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(1))
+
+    def cross(query_len: int, key_len: int) -> AttentionRequest:
+        kv = host_tensor(torch.randn(1, key_len, 256))  # key_value: one X' for key and value
+        return AttentionRequest(host_tensor(torch.randn(1, query_len, 256)), kv, kv, None, False, True, True, False)
+
+    shapes = [(64, 256), (8, 3), (64, 64), (1, 200), (8, 5)]
+    try:
+        requests = [cross(q, k) for q, k in shapes]
+        assert len(length_groups(spec, requests)) > 1
+        batch = w.run(requests)
+        alone = [w.run([r])[0] for r in requests]
+    finally:
+        w.close()
+    for (q, k), together, itself in zip(shapes, batch, alone, strict=True):
+        assert together.output_shape == (1, q, 256) and together.weights_shape == (1, q, k)  # averaged
+        np.testing.assert_allclose(output_of(together), output_of(itself), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(weights_of(together), weights_of(itself), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])
