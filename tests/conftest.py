@@ -38,6 +38,14 @@ class Running:
         """Runs a coroutine on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def loop_thread_name(self) -> str:
+        """The name of the thread the server's event loop runs on."""
+
+        async def name() -> str:
+            return threading.current_thread().name
+
+        return self.call(name())
+
     def metrics_text(self) -> str:
         url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:

@@ -210,7 +210,7 @@ def test_the_worker_sets_each_batchs_threads_on_its_own_thread() -> None:
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
-        ({}, {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
+        ({}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
         ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
         ({"GOMP_SPINCOUNT": "50000"}, {"GOMP_SPINCOUNT": "50000"}),
     ],

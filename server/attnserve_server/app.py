@@ -57,6 +57,7 @@ class AttnServer:
                 CpuThreads(settings.torch_threads, settings.small_batch_macs),
                 settings.max_message_bytes,
                 self.tracing,
+                solo_macs=settings.solo_macs,
             )
             for m in settings.models
         }

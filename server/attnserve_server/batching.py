@@ -10,6 +10,9 @@ computation (same group), and closes when it reaches max_batch_size sequences or
 padded tokens, or max_queue_delay after its first request arrived. While every runner is busy,
 requests simply queue, so batches grow with load.
 
+On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
+hops (`allow_solo`; solo.py says when).
+
 Threads: one lock guards the queue, and idle runners wait on its condition. Everything the batcher
 tells the rest of the server (observer reports, queue listeners, answers) happens on the event
 loop: a runner posts one callback per batch.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
+from attnserve_server.solo import SoloPolicy
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -118,6 +122,14 @@ class _Batch(Generic[T]):
         self.items = [e.item for e in self.entries]
 
 
+@dataclass(frozen=True)
+class _Solo(Generic[T, R]):
+    run: Runner
+    done: BatchDone | None
+    eligible: Callable[[T], bool]
+    policy: SoloPolicy
+
+
 class Batcher(Generic[T, R]):
     """Admits items, lets its runners pull batches of them, answers every caller.
 
@@ -141,6 +153,7 @@ class Batcher(Generic[T, R]):
         # On the loop:
         self._changed = asyncio.Event()  # set whenever the queue or the batches in flight shrink
         self._listeners: list[Callable[[int, int, bool], None]] = []
+        self._solo: _Solo[T, R] | None = None
 
     @property
     def depth(self) -> int:
@@ -149,6 +162,18 @@ class Batcher(Generic[T, R]):
     def start(self) -> None:
         """Binds the batcher to the running loop, where its callers' answers are delivered."""
         self._loop = asyncio.get_running_loop()
+
+    def allow_solo(
+        self,
+        run: Runner,
+        done: BatchDone | None,
+        eligible: Callable[[T], bool],
+        policy: SoloPolicy | None = None,
+    ) -> None:
+        """Lets a lone `eligible` item run as a batch of one on the event loop, by `run`, while
+        `policy` says the server is quiet. Only for a single runner whose `run` may be called from
+        the loop's thread while that runner is idle: nothing else computes while the loop does."""
+        self._solo = _Solo(run, done, eligible, policy or SoloPolicy())
 
     # -- admission (on the loop) -----------------------------------------------------------
 
@@ -174,6 +199,9 @@ class Batcher(Generic[T, R]):
         now = time.monotonic()
         expires = math.inf if deadline is None else now + (deadline - loop.time())
         entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
+        solo = self._solo
+        if solo is not None and solo.policy.admit(self._quiet()) and solo.eligible(item) and expires > now:
+            return self._run_solo(solo, entry)
         with self._cond:
             refused = self._refusal(nbytes)
             if refused is None:
@@ -196,6 +224,27 @@ class Batcher(Generic[T, R]):
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def _quiet(self) -> bool:
+        """Nothing queued, no batch computing, and nothing that refuses new items."""
+        with self._cond:
+            return not (self._depth or self._in_flight or self._closing or self._broken)
+
+    def _run_solo(self, solo: _Solo[T, R], entry: _Entry[T]) -> R:
+        """Runs one quiet entry as a batch of one on the loop's thread; answers as a runner would."""
+        entry.queued = False
+        batch = _Batch([entry], [0.0])
+        with self._cond:
+            self._in_flight.add(batch)
+        results: list[R] | None = None
+        error: BaseException | None = None
+        try:
+            results = solo.run(batch.items)
+        except Exception as exc:  # the batch's failure: its caller is told, the server serves on
+            error = exc
+        solo.policy.ran()
+        self._batch_done(batch, results, error, solo.done)
+        return entry.future.result()
 
     def _refusal(self, nbytes: int) -> tuple[str, ServingError] | None:
         """Why an item of `nbytes` would be refused now: the drop reason ("" for a stopped batcher: not

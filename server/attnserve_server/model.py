@@ -15,7 +15,7 @@ from attnserve_server.compute.devices import FLOAT16_FLAGS, cpu_flags, float16_i
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, compute_macs
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.settings import ModelSettings
@@ -80,8 +80,11 @@ class ServedModel:
         threads: CpuThreads | None = None,
         max_message_bytes: int = 256 << 20,
         tracing: Tracing | None = None,
+        *,
+        solo_macs: int = 0,
     ) -> None:
         self._tracing = tracing
+        self._solo_macs = solo_macs
         self.settings = settings
         # Devices are resolved now: the dtype may depend on them, and a GPU asked for and missing
         # stops the server before anything starts.
@@ -100,10 +103,10 @@ class ServedModel:
     async def load(self) -> None:
         """Loads weights, builds one worker per device and warms each up, off the event loop.
 
-        Torch computes only on the workers' threads, and on a loading thread that ends before the
-        model serves: a thread that ran a parallel region keeps an OpenMP pool while it lives, and
-        one more pool beside the worker's doubles a small batch's time (scripts/omp_pools.py).
-        So torch must never compute on the event loop's thread either, here or per request.
+        Torch computes on the workers' threads, on a loading thread that ends before the model
+        serves, and (`solo_macs`) on the event loop for a lone request while the server is quiet. A
+        thread that ran a parallel region keeps an OpenMP pool while it lives; openmp.py sets the
+        wait policy under which a second pool costs the first nothing (scripts/omp_pools.py).
         """
         loop = asyncio.get_running_loop()
         devices = self._devices
@@ -124,6 +127,7 @@ class ServedModel:
         b = self.settings.batching
         self._batcher = Batcher(self.limits, self.metrics)
         self._batcher.start()
+        self._allow_solo(self._batcher)
         # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
         # is free: a CUDA worker takes its next batch while its last one computes.
         for w in self._workers:
@@ -146,6 +150,19 @@ class ServedModel:
                 self.spec.name,
                 ", ".join(sorted(FLOAT16_FLAGS)),
             )
+
+    def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
+        """With one CPU worker of one lane, a lone small request may run on the event loop while the
+        server is quiet (solo.py): the worker's lane is idle then, and nothing else computes."""
+        workers = self._workers
+        if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
+            return
+        spec, most = self.spec, self._solo_macs
+
+        def small(r: AttentionRequest) -> bool:
+            return compute_macs(spec, r.sequences, r.query_len, r.key_len) <= most
+
+        batcher.allow_solo(workers[0].run, self._reporter(workers[0]), small)
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""

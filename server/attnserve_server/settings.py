@@ -18,6 +18,7 @@ from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
 from attnserve_server.eventloop import CHOICES as EVENT_LOOPS
+from attnserve_server.solo import SOLO_MACS
 
 ENV_PREFIX = "ATTNSERVE_"
 # The accepted names come from the tables the server uses them with: one list of each.
@@ -87,6 +88,8 @@ class ServerSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
+    # On a quiet CPU server a lone request up to this many multiply-adds runs on the event loop (solo.py).
+    solo_macs: int = SOLO_MACS
     log_level: str = "INFO"
     # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
     tls_cert: str | None = None
@@ -143,6 +146,13 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0 turns this off"
         f" (default {SMALL_BATCH_MACS})",
+    ),
+    Option(
+        "solo-macs",
+        "server",
+        int,
+        "on a quiet server with one CPU worker, a lone request with at most this many multiply-adds runs on the"
+        f" event loop, sparing two thread hops; 0 turns this off (default {SOLO_MACS})",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),
@@ -393,6 +403,7 @@ def validate(settings: ServerSettings) -> None:
         f"torch_threads: expected >= 1, got {settings.torch_threads}",
     )
     _check(settings.small_batch_macs >= 0, f"small_batch_macs: expected >= 0, got {settings.small_batch_macs}")
+    _check(settings.solo_macs >= 0, f"solo_macs: expected >= 0, got {settings.solo_macs}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(
         settings.event_loop in EVENT_LOOPS,

@@ -136,7 +136,8 @@ class DeviceWorker:
         """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why)."""
         local = self._local
         if not hasattr(local, "most"):  # this thread's first batch: what it may use at most
-            local.most = local.current = self._threads.count or torch.get_num_threads()
+            local.most = self._threads.count or torch.get_num_threads()
+            local.current = None  # a thread the executor did not start (the event loop's) is not set yet
         wanted = self._threads.for_batch(local.most, macs, requests)
         if wanted != local.current:
             torch.set_num_threads(wanted)
@@ -161,7 +162,8 @@ class DeviceWorker:
 
         On the CPU a batch of mixed lengths runs as groups of similar length (compute/groups.py)."""
         start = time.perf_counter()
-        # A call from outside the executor (tests, the in-process benchmark) runs on the first lane.
+        # A call from outside the executor (the event loop's solo runs while the lane's thread is idle,
+        # tests, the in-process benchmark) runs on the first lane.
         lane: _Lane = getattr(self._local, "lane", self._lanes[0])
         groups = [requests] if self._cuda else length_groups(self.spec, requests)
         shapes = [_padded(group) for group in groups]

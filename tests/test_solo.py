@@ -1,0 +1,224 @@
+"""Solo runs: a lone request on a quiet server computes on the event loop, not on the worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_batcher import FakeRunner, Recorder, limits, start, stop, submit
+
+from attnserve import AsyncClient, AttnServeError, Client
+from attnserve_server.batching import Batcher
+from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.errors import BatchFailed
+from attnserve_server.solo import STREAK, SoloPolicy
+
+from conftest import Running, model, running, settings
+
+E, H = 32, 4
+
+
+class Clocks:
+    """A wall clock and a loop-CPU clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def gap(self, wall_s: float, busy_s: float) -> None:
+        self.wall += wall_s
+        self.cpu += busy_s
+
+
+def policy(clocks: Clocks, streak: int = 3, pressed: int = 2) -> SoloPolicy:
+    return SoloPolicy(streak=streak, pressed=pressed, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu)
+
+
+def test_the_loop_computes_only_after_a_streak_of_quiet_requests() -> None:
+    clocks = Clocks()
+    p = policy(clocks, streak=3)
+    assert [p.admit(True), p.admit(True), p.admit(False), p.admit(True), p.admit(True)] == [False] * 5
+    assert not p.active  # company reset the count: two quiet since
+    assert p.admit(True) is False and p.active  # the third quiet in a row turns it on, for the next
+    assert p.admit(True) is True
+
+
+def test_a_loop_busy_through_two_gaps_in_a_row_hands_requests_back_to_the_worker() -> None:
+    clocks = Clocks()
+    p = policy(clocks, streak=1, pressed=2)
+    p.admit(True)
+    assert p.admit(True)
+    p.ran()
+    clocks.gap(400e-6, 150e-6)  # a client's round trip: the loop idled most of the gap
+    assert p.admit(True)
+    p.ran()
+    clocks.gap(100e-6, 95e-6)  # the next request was already waiting
+    assert p.admit(True)  # one busy gap is not enough
+    p.ran()
+    clocks.gap(400e-6, 100e-6)  # quiet again: the count starts over
+    assert p.admit(True)
+    p.ran()
+    clocks.gap(100e-6, 95e-6)
+    assert p.admit(True)
+    p.ran()
+    clocks.gap(80e-6, 78e-6)
+    assert p.admit(True) is False and not p.active  # two busy gaps in a row
+    assert p.admit(True) is False  # and a new streak is needed (streak=1: on again for the next)
+    assert p.admit(True) is True
+
+
+def test_a_request_that_finds_company_ends_solo_at_once() -> None:
+    clocks = Clocks()
+    p = policy(clocks, streak=1)
+    p.admit(True)
+    assert p.admit(True)
+    assert p.admit(False) is False and not p.active
+
+
+class ThreadRecorder(FakeRunner):
+    """A runner whose batches run at once and remember the thread they ran on."""
+
+    def __init__(self, fail_on: object = None) -> None:
+        super().__init__(fail_on)
+        self.gate.set()
+        self.threads: list[str] = []
+
+    def __call__(self, items: list[object]) -> list[object]:
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(items)
+
+
+def test_the_batcher_runs_quiet_requests_on_the_loop_and_reports_them_as_batches_of_one() -> None:
+    async def main() -> None:
+        recorder = Recorder()
+        b = Batcher(limits(), recorder)
+        runner = ThreadRecorder()
+        threads = start(b, runner)
+        reported: list[list[object]] = []
+        b.allow_solo(runner, lambda items, results, error: reported.append(items), lambda item: item != "big")
+        loop_thread = threading.current_thread().name
+        for i in range(STREAK):
+            assert await submit(b, i) == ("done", i)
+        assert loop_thread not in runner.threads  # the streak ran on the runner's thread
+        assert await submit(b, "solo") == ("done", "solo")
+        assert runner.threads[-1] == loop_thread
+        assert reported[-1] == ["solo"] and recorder.batches[-1] == 1
+        assert await submit(b, "big") == ("done", "big")  # not eligible: the runner's, solo or not
+        assert runner.threads[-1] != loop_thread
+        await stop(b, threads)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_request_arriving_while_a_batch_computes_queues_for_the_worker() -> None:
+    async def main() -> None:
+        b = Batcher(limits())
+        runner = FakeRunner()
+        threads = start(b, runner)
+        b.allow_solo(runner, None, lambda item: True, SoloPolicy(streak=1))
+        runner.gate.set()
+        assert await submit(b, "a") == ("done", "a")  # the streak of one, on the runner
+        runner.gate.clear()
+        runner.running.clear()
+        first = submit(b, "b")  # solo: it runs in the submit's first step, on this thread...
+        second = submit(b, "c")
+        # ...so the runner's gate must be open before the loop gets to it: open it from a thread
+        threading.Timer(0.05, runner.gate.set).start()
+        assert await asyncio.gather(first, second) == [("done", "b"), ("done", "c")]
+        assert runner.batches[-2:] == [["b"], ["c"]]
+        await stop(b, threads)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_failing_solo_run_fails_its_caller_and_the_next_request_is_served() -> None:
+    async def main() -> None:
+        b = Batcher(limits())
+        runner = ThreadRecorder(fail_on="bad")
+        threads = start(b, runner)
+        b.allow_solo(runner, None, lambda item: True, SoloPolicy(streak=1))
+        await submit(b, "a")
+        with pytest.raises(BatchFailed, match="boom"):
+            await submit(b, "bad")
+        assert runner.threads[-1] == threading.current_thread().name
+        assert await submit(b, "after") == ("done", "after")
+        await stop(b, threads)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+class ThreadNamingWorker(DeviceWorker):
+    """The real worker, remembering which thread ran each batch."""
+
+    ran_on: list[str] = []
+
+    def run(self, requests):
+        ThreadNamingWorker.ran_on.append(threading.current_thread().name)
+        return super().run(requests)
+
+
+@pytest.fixture()
+def quiet_server():
+    ThreadNamingWorker.ran_on = []
+    with running(settings(model(embed_dim=E, num_heads=H)), worker_factory=ThreadNamingWorker) as handle:
+        yield handle
+
+
+def test_a_quiet_server_answers_from_the_loop_the_same_and_batches_again_under_load(quiet_server: Running) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 9, E), dtype=np.float32)
+    warm_up = len(ThreadNamingWorker.ran_on)  # the worker's warm-up batches
+    with Client(quiet_server.target) as c:
+        for _ in range(STREAK - 1):
+            c.attend(rng.standard_normal((1, 5, E), dtype=np.float32))
+        on_worker = c.attend(x).output  # the streak's last
+        worker_threads = set(ThreadNamingWorker.ran_on)
+        solo = c.attend(x).output
+        solo_thread = ThreadNamingWorker.ran_on[-1]
+        assert solo_thread not in worker_threads
+        assert solo_thread == quiet_server.loop_thread_name()  # it ran on the event loop's thread
+        np.testing.assert_array_equal(solo, on_worker)  # the same computation, bit for bit
+        with pytest.raises(AttnServeError) as err:  # bad input is refused as ever
+            c.attend(rng.standard_normal((1, 5, E + 1), dtype=np.float32))
+        assert err.value.code.name == "INVALID_ARGUMENT"
+        assert c.attend(x).output is not None and ThreadNamingWorker.ran_on[-1] == solo_thread
+
+    async def burst() -> list[np.ndarray]:
+        async with AsyncClient(quiet_server.target) as ac:
+            return [r.output for r in await asyncio.gather(*(ac.attend(x) for _ in range(16)))]
+
+    before = len(ThreadNamingWorker.ran_on)
+    for out in asyncio.run(burst()):
+        np.testing.assert_allclose(out, on_worker, rtol=1e-5, atol=1e-6)
+    batches = ThreadNamingWorker.ran_on[before:]
+    # 16 at once: company is seen, and the rest batch on the worker's thread again
+    assert set(batches) - {solo_thread}
+    assert len(batches) < 16  # in batches, not one by one
+    answered = quiet_server.sample("attnserve_requests_total", model="default", method="Attend", code="OK")
+    assert answered == STREAK + 2 + 16
+    batches_run = len(ThreadNamingWorker.ran_on) - warm_up
+    assert quiet_server.sample("attnserve_batch_requests_count", model="default") == batches_run
+
+
+def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:
+    ThreadNamingWorker.ran_on = []
+    config = settings(model(embed_dim=E, num_heads=H), solo_macs=0)
+    with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+        for _ in range(STREAK + 4):
+            c.attend(np.ones((1, 3, E), dtype=np.float32))
+        assert handle.loop_thread_name() not in ThreadNamingWorker.ran_on
+
+
+def test_a_request_too_large_for_the_loop_runs_on_the_worker_even_when_quiet() -> None:
+    ThreadNamingWorker.ran_on = []
+    small = model(embed_dim=E, num_heads=H)
+    one_row = 2 * E * E + 2 * E * E + 2 * E  # compute_macs of one query row against one key row
+    config = replace(settings(small), solo_macs=one_row * 4)
+    with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+        for _ in range(STREAK + 2):
+            c.attend(np.ones((1, 1, E), dtype=np.float32))
+        assert ThreadNamingWorker.ran_on[-1] == handle.loop_thread_name()
+        c.attend(np.ones((1, 64, E), dtype=np.float32))
+        assert ThreadNamingWorker.ran_on[-1] != handle.loop_thread_name()
