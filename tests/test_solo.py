@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -149,20 +148,36 @@ def test_a_failing_solo_run_fails_its_caller_and_the_next_request_is_served() ->
     asyncio.run(asyncio.wait_for(main(), 20))
 
 
+HELD_LEN = 50  # a batch with a query this long waits for ThreadNamingWorker.release
+
+
 class ThreadNamingWorker(DeviceWorker):
-    """The real worker, remembering which thread ran each batch."""
+    """The real worker, remembering which thread ran each batch; one holding a query of HELD_LEN
+    waits for the test to set `release`."""
 
     ran_on: list[str] = []
+    release = threading.Event()
 
     def run(self, requests):
         ThreadNamingWorker.ran_on.append(threading.current_thread().name)
+        if any(r.query_len == HELD_LEN for r in requests):
+            assert ThreadNamingWorker.release.wait(20), "the test never released the held batch"
         return super().run(requests)
+
+
+def two_thread_settings(**fields):
+    """This suite's tiny model with every batch on two intra-op threads, as a W1 request runs: solo
+    takes only requests that run on more than one (model.py)."""
+    return settings(model(embed_dim=E, num_heads=H), torch_threads=2, small_batch_macs=0, **fields)
 
 
 @pytest.fixture()
 def quiet_server():
     ThreadNamingWorker.ran_on = []
-    with running(settings(model(embed_dim=E, num_heads=H)), worker_factory=ThreadNamingWorker) as handle:
+    ThreadNamingWorker.release.set()
+    # compute_macs: x below (2 x 9 rows) 84 k, a query of HELD_LEN 365 k
+    config = two_thread_settings(solo_macs=200_000)
+    with running(config, worker_factory=ThreadNamingWorker) as handle:
         yield handle
 
 
@@ -185,26 +200,37 @@ def test_a_quiet_server_answers_from_the_loop_the_same_and_batches_again_under_l
         assert err.value.code.name == "INVALID_ARGUMENT"
         assert c.attend(x).output is not None and ThreadNamingWorker.ran_on[-1] == solo_thread
 
-    async def burst() -> list[np.ndarray]:
-        async with AsyncClient(quiet_server.target) as ac:
-            return [r.output for r in await asyncio.gather(*(ac.attend(x) for _ in range(16)))]
-
+    # A request too large for the loop runs on the worker (held there); requests that arrive while
+    # it computes find company: solo ends, and they batch on the worker's thread behind it.
+    ThreadNamingWorker.release.clear()
     before = len(ThreadNamingWorker.ran_on)
-    for out in asyncio.run(burst()):
-        np.testing.assert_allclose(out, on_worker, rtol=1e-5, atol=1e-6)
-    batches = ThreadNamingWorker.ran_on[before:]
-    # 16 at once: company is seen, and the rest batch on the worker's thread again
-    assert set(batches) - {solo_thread}
-    assert len(batches) < 16  # in batches, not one by one
+
+    async def company() -> list[np.ndarray]:
+        async with AsyncClient(quiet_server.target) as ac:
+            large = asyncio.ensure_future(ac.attend(np.ones((1, HELD_LEN, E), dtype=np.float32)))
+            while len(ThreadNamingWorker.ran_on) == before:  # until the worker holds it
+                await asyncio.sleep(0.001)
+            small = [asyncio.ensure_future(ac.attend(x)) for _ in range(4)]
+            while quiet_server.sample("attnserve_queue_depth", model="default") < 4:
+                await asyncio.sleep(0.001)
+            ThreadNamingWorker.release.set()
+            await large
+            return [r.output for r in await asyncio.gather(*small)]
+
+    for out in asyncio.run(company()):
+        np.testing.assert_array_equal(out, on_worker)
+    ran = ThreadNamingWorker.ran_on[before:]
+    assert ran[0] != solo_thread and solo_thread not in ran  # all on the worker, the four as one batch
+    assert len(ran) == 2
     answered = quiet_server.sample("attnserve_requests_total", model="default", method="Attend", code="OK")
-    assert answered == STREAK + 2 + 16
+    assert answered == STREAK + 2 + 5
     batches_run = len(ThreadNamingWorker.ran_on) - warm_up
     assert quiet_server.sample("attnserve_batch_requests_count", model="default") == batches_run
 
 
 def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:
     ThreadNamingWorker.ran_on = []
-    config = settings(model(embed_dim=E, num_heads=H), solo_macs=0)
+    config = two_thread_settings(solo_macs=0)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
         for _ in range(STREAK + 4):
             c.attend(np.ones((1, 3, E), dtype=np.float32))
@@ -213,12 +239,22 @@ def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:
 
 def test_a_request_too_large_for_the_loop_runs_on_the_worker_even_when_quiet() -> None:
     ThreadNamingWorker.ran_on = []
-    small = model(embed_dim=E, num_heads=H)
     one_row = 2 * E * E + 2 * E * E + 2 * E  # compute_macs of one query row against one key row
-    config = replace(settings(small), solo_macs=one_row * 4)
+    config = two_thread_settings(solo_macs=one_row * 4)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
         for _ in range(STREAK + 2):
             c.attend(np.ones((1, 1, E), dtype=np.float32))
         assert ThreadNamingWorker.ran_on[-1] == handle.loop_thread_name()
         c.attend(np.ones((1, 64, E), dtype=np.float32))
         assert ThreadNamingWorker.ran_on[-1] != handle.loop_thread_name()
+
+
+def test_a_request_small_enough_for_one_thread_stays_on_the_worker() -> None:
+    # The default rule runs a lone request under 10 M multiply-adds on one thread (compute/threads.py);
+    # this suite's model is far below it.
+    ThreadNamingWorker.ran_on = []
+    config = settings(model(embed_dim=E, num_heads=H), torch_threads=2)
+    with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+        for _ in range(STREAK + 4):
+            c.attend(np.ones((1, 8, E), dtype=np.float32))
+        assert handle.loop_thread_name() not in ThreadNamingWorker.ran_on

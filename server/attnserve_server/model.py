@@ -152,17 +152,23 @@ class ServedModel:
             )
 
     def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
-        """With one CPU worker of one lane, a lone small request may run on the event loop while the
-        server is quiet (solo.py): the worker's lane is idle then, and nothing else computes."""
+        """With one CPU worker of one lane, a lone request may run on the event loop while the server
+        is quiet (solo.py): the worker's lane is idle then, and nothing else computes. Only requests
+        of at most `solo_macs` that run on more than one intra-op thread (compute/threads.py): those
+        gained (W1 at concurrency 1: p50 -8%), where one small enough for one thread did not (L=1:
+        the same; L=16: +6%; BENCHMARKS.md, ninth pass)."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return
-        spec, most = self.spec, self._solo_macs
+        spec, most_macs = self.spec, self._solo_macs
+        threads = self._threads or CpuThreads()
+        most_threads = threads.count or torch.get_num_threads()
 
-        def small(r: AttentionRequest) -> bool:
-            return compute_macs(spec, r.sequences, r.query_len, r.key_len) <= most
+        def eligible(r: AttentionRequest) -> bool:
+            macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
+            return macs <= most_macs and threads.for_batch(most_threads, macs, 1) > 1
 
-        batcher.allow_solo(workers[0].run, self._reporter(workers[0]), small)
+        batcher.allow_solo(workers[0].run, self._reporter(workers[0]), eligible)
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""
