@@ -226,6 +226,9 @@ def test_a_quiet_server_answers_from_the_loop_the_same_and_batches_again_under_l
     assert answered == STREAK + 2 + 5
     batches_run = len(ThreadNamingWorker.ran_on) - warm_up
     assert quiet_server.sample("attnserve_batch_requests_count", model="default") == batches_run
+    solo_runs = ThreadNamingWorker.ran_on.count(solo_thread)
+    assert solo_runs == 2
+    assert quiet_server.sample("attnserve_solo_batches_total", model="default") == solo_runs
 
 
 def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:

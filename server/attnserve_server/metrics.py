@@ -108,6 +108,12 @@ class Metrics:
             ["model", "device"],
             registry=registry,
         )
+        self.solo_batches = Counter(
+            "attnserve_solo_batches",
+            "Lone requests computed on the event loop while the server was quiet (solo runs), batches of one.",
+            ["model"],
+            registry=registry,
+        )
         self.queue_capacity = Gauge(
             "attnserve_queue_capacity",
             "The most requests the model's queue holds (max_queue_size); more are refused.",
@@ -227,6 +233,7 @@ class ModelMetrics:
         self._batch_tokens = metrics.batch_tokens.labels(model)
         self._batch_padding = metrics.batch_padding.labels(model)
         self._tokens = metrics.tokens.labels(model)
+        self._solo_batches = metrics.solo_batches.labels(model)
         self.stats = InferenceStats()
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
         self.inflight = 0
@@ -269,6 +276,9 @@ class ModelMetrics:
         stats.inference_count += report.sequences
         stats.execution_count += 1
         stats.last_inference_ms = int(time.time() * 1e3)
+
+    def solo_ran(self) -> None:
+        self._solo_batches.inc()
 
     def batch_failed(self, device: str) -> None:
         self._metrics.batch_failures.labels(self.model, device).inc()

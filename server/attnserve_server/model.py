@@ -168,7 +168,13 @@ class ServedModel:
             macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
             return macs <= most_macs and threads.for_batch(most_threads, macs, 1) > 1
 
-        batcher.allow_solo(workers[0].run, self._reporter(workers[0]), eligible)
+        report = self._reporter(workers[0])
+
+        def done(batch: list[AttentionRequest], answers: list[Answer] | None, error: BaseException | None) -> None:
+            self.metrics.solo_ran()
+            report(batch, answers, error)
+
+        batcher.allow_solo(workers[0].run, done, eligible)
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""
