@@ -13,7 +13,7 @@ from attnserve import AsyncClient, AttnServeError, Client
 from attnserve_server.batching import Batcher
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.errors import BatchFailed
-from attnserve_server.solo import STREAK, SoloPolicy
+from attnserve_server.solo import SOLO_MACS, STREAK, SoloPolicy
 
 from conftest import Running, model, running, settings
 
@@ -261,3 +261,49 @@ def test_a_request_small_enough_for_one_thread_stays_on_the_worker() -> None:
         for _ in range(STREAK + 4):
             c.attend(np.ones((1, 8, E), dtype=np.float32))
         assert handle.loop_thread_name() not in ThreadNamingWorker.ran_on
+
+
+def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:
+    models = (
+        model("default", embed_dim=E, num_heads=H),
+        model("cross", embed_dim=E, num_heads=H, kdim=24, vdim=40),
+        model("bare", kind="sdpa", embed_dim=E, num_heads=H, vdim=16),
+    )
+    rng = np.random.default_rng(3)
+    q, kv = rng.standard_normal((2, 7, E), dtype=np.float32), rng.standard_normal((2, 5, E), dtype=np.float32)
+    kinds = [
+        dict(query=q, causal=True),
+        dict(query=q, need_weights=True, average_weights=False),
+        dict(query=q, need_weights=True),
+        dict(query=q, key_lengths=[7, 3]),
+        dict(query=q, key_value=kv, key_lengths=[2, 5], need_weights=True),
+        dict(query=q, model="cross", key=rng.standard_normal((2, 5, 24), dtype=np.float32),
+             value=rng.standard_normal((2, 5, 40), dtype=np.float32), need_weights=True),
+        dict(query=q, model="bare", key=rng.standard_normal((2, 5, E), dtype=np.float32),
+             value=rng.standard_normal((2, 5, 16), dtype=np.float32), causal=True),
+    ]  # fmt: skip
+
+    def answers(solo_macs: int) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], list[str]]:
+        ThreadNamingWorker.ran_on = []
+        config = settings(*models, torch_threads=2, small_batch_macs=0, solo_macs=solo_macs)
+        with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+            for name in ("default", "cross", "bare"):  # each model's batcher its own quiet streak
+                for _ in range(STREAK):
+                    c.attend(**kinds[0 if name == "default" else 5 if name == "cross" else 6])
+            first = len(ThreadNamingWorker.ran_on)
+            results = [c.attend(**kind) for kind in kinds]
+            loop = handle.loop_thread_name()
+        return [(r.output, r.attention_weights) for r in results], [
+            t == loop for t in ThreadNamingWorker.ran_on[first:]
+        ]
+
+    solo, on_loop = answers(SOLO_MACS)
+    batched, on_worker_loop = answers(0)
+    assert all(on_loop) and len(on_loop) == len(kinds)  # each of them ran on the event loop
+    assert not any(on_worker_loop)
+    for (y, w), (y_ref, w_ref) in zip(solo, batched, strict=True):
+        np.testing.assert_array_equal(y, y_ref)
+        if w_ref is None:
+            assert w is None
+        else:
+            np.testing.assert_array_equal(w, w_ref)
