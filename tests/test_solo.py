@@ -283,7 +283,7 @@ def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:
              value=rng.standard_normal((2, 5, 16), dtype=np.float32), causal=True),
     ]  # fmt: skip
 
-    def answers(solo_macs: int) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], list[str]]:
+    def answers(solo_macs: int) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], list[bool]]:
         ThreadNamingWorker.ran_on = []
         config = settings(*models, torch_threads=2, small_batch_macs=0, solo_macs=solo_macs)
         with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
