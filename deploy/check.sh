@@ -310,7 +310,7 @@ EOF
   "$VENV/bin/attnserve" infer --target "127.0.0.1:$port" --seq-len 8 >"$prom_dir/held.log" 2>&1 &
   local held=$!
   deadline=$((SECONDS + 30))
-  until curl -fsS "http://127.0.0.1:$metrics/metrics" | grep -q '^attnserve_queue_depth{model="default"} 1.0$'; do
+  until curl -fsS "http://127.0.0.1:$metrics/metrics" | grep '^attnserve_queue_depth{model="default"} 1.0$' >/dev/null; do
     [ $SECONDS -gt $deadline ] && { echo "smoke: the request never reached the queue" >&2; return 1; }
     sleep 0.2
   done
@@ -361,7 +361,9 @@ EOF
   fi
   podman stop -t 15 "$name-tls" >/dev/null
   [ "$(podman inspect --format '{{.State.ExitCode}}' "$name-tls")" = 0 ] || { echo "smoke: TLS container exit" >&2; return 1; }
-  podman logs "$name-tls" 2>&1 | grep -q "2 edge processes" || { echo "smoke: no edge processes in the TLS run" >&2; return 1; }
+  # grep reads the whole log (no -q): with pipefail, a grep that quits at its match leaves `podman logs`
+  # writing into a closed pipe, and its SIGPIPE failed this check now and then.
+  podman logs "$name-tls" 2>&1 | grep "2 edge processes" >/dev/null || { echo "smoke: no edge processes in the TLS run" >&2; return 1; }
   echo "ok: TLS served by two edge processes, plaintext refused, HEALTHCHECK on the health port, exit 0"
 }
 

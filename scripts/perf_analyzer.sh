@@ -15,7 +15,7 @@ PA_VENV=${PA_VENV:-.cache/perf-venv}
 PA=$PA_VENV/bin/perf_analyzer
 
 if [ ! -x "$PA" ]; then
-  if ! ldconfig -p | grep -q libb64.so.0d; then
+  if ! ldconfig -p | grep libb64.so.0d >/dev/null; then  # no -q: under pipefail, ldconfig would get SIGPIPE
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       apt-get install -y -q libb64-0d >/dev/null 2>&1 ||
         { apt-get update -q >/dev/null && apt-get install -y -q libb64-0d >/dev/null; }
