@@ -18,6 +18,7 @@ from attnserve_server.solo import SOLO_MACS, STREAK, SoloPolicy
 from conftest import Running, model, running, settings
 
 E, H = 32, 4
+CPU = ("cpu",)  # solo is the CPU worker's: these servers run there whatever ATTNSERVE_TEST_DEVICE says
 
 
 class Clocks:
@@ -168,7 +169,7 @@ class ThreadNamingWorker(DeviceWorker):
 def two_thread_settings(**fields):
     """This suite's tiny model with every batch on two intra-op threads, as a W1 request runs: solo
     takes only requests that run on more than one (model.py)."""
-    return settings(model(embed_dim=E, num_heads=H), torch_threads=2, small_batch_macs=0, **fields)
+    return settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=2, small_batch_macs=0, **fields)
 
 
 @pytest.fixture()
@@ -256,7 +257,7 @@ def test_a_request_small_enough_for_one_thread_stays_on_the_worker() -> None:
     # The default rule runs a lone request under 10 M multiply-adds on one thread (compute/threads.py);
     # this suite's model is far below it.
     ThreadNamingWorker.ran_on = []
-    config = settings(model(embed_dim=E, num_heads=H), torch_threads=2)
+    config = settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=2)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
         for _ in range(STREAK + 4):
             c.attend(np.ones((1, 8, E), dtype=np.float32))
@@ -265,9 +266,9 @@ def test_a_request_small_enough_for_one_thread_stays_on_the_worker() -> None:
 
 def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:
     models = (
-        model("default", embed_dim=E, num_heads=H),
-        model("cross", embed_dim=E, num_heads=H, kdim=24, vdim=40),
-        model("bare", kind="sdpa", embed_dim=E, num_heads=H, vdim=16),
+        model("default", embed_dim=E, num_heads=H, device=CPU),
+        model("cross", embed_dim=E, num_heads=H, kdim=24, vdim=40, device=CPU),
+        model("bare", kind="sdpa", embed_dim=E, num_heads=H, vdim=16, device=CPU),
     )
     rng = np.random.default_rng(3)
     q, kv = rng.standard_normal((2, 7, E), dtype=np.float32), rng.standard_normal((2, 5, E), dtype=np.float32)
