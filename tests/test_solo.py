@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_batcher import FakeRunner, Recorder, limits, start, stop, submit
+from test_batcher import WAIT_S, FakeRunner, Recorder, limits, start, stop, submit, until
 
 from attnserve import AsyncClient, AttnServeError, Client
 from attnserve_server.batching import Batcher
@@ -113,21 +113,38 @@ def test_the_batcher_runs_quiet_requests_on_the_loop_and_reports_them_as_batches
 
 
 def test_a_request_arriving_while_a_batch_computes_queues_for_the_worker() -> None:
+    class HoldingRunner(ThreadRecorder):
+        """Holds only the batch with "held" in it, until the test opens `hold`."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.hold = threading.Event()
+
+        def __call__(self, items: list[object]) -> list[object]:
+            if "held" in items:
+                self.running.set()
+                assert self.hold.wait(WAIT_S * 4), "the test never released the held batch"
+            return super().__call__(items)
+
     async def main() -> None:
         b = Batcher(limits())
-        runner = FakeRunner()
+        runner = HoldingRunner()
         threads = start(b, runner)
-        b.allow_solo(runner, None, lambda item: True, SoloPolicy(streak=1))
-        runner.gate.set()
+        policy = SoloPolicy(streak=1)
+        b.allow_solo(runner, None, lambda item: item != "held", policy)
+        loop_thread = threading.current_thread().name
         assert await submit(b, "a") == ("done", "a")  # the streak of one, on the runner
-        runner.gate.clear()
+        assert policy.active
         runner.running.clear()
-        first = submit(b, "b")  # solo: it runs in the submit's first step, on this thread...
-        second = submit(b, "c")
-        # ...so the runner's gate must be open before the loop gets to it: open it from a thread
-        threading.Timer(0.05, runner.gate.set).start()
-        assert await asyncio.gather(first, second) == [("done", "b"), ("done", "c")]
-        assert runner.batches[-2:] == [["b"], ["c"]]
+        held = submit(b, "held")  # not eligible: queued for the runner, which holds it
+        await runner.started()
+        late = submit(b, "b")  # eligible, but a batch is computing: company
+        await until(lambda: b.depth == 1)  # queued, not run on the loop
+        assert not policy.active
+        runner.hold.set()
+        assert await asyncio.gather(held, late) == [("done", "held"), ("done", "b")]
+        assert runner.batches[-2:] == [["held"], ["b"]]
+        assert loop_thread not in runner.threads
         await stop(b, threads)
 
     asyncio.run(asyncio.wait_for(main(), 20))
