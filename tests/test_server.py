@@ -452,6 +452,25 @@ def test_metrics_are_scraped_with_the_requests_counted(default_server: Running) 
     assert default_server.sample("attnserve_inflight_requests", model="bare") == 0
 
 
+def test_an_unknown_model_is_counted_under_an_empty_label_in_the_request_series_only(default_server: Running) -> None:
+    def not_found() -> float:
+        return default_server.sample("attnserve_requests_total", model="", method="Attend", code="NOT_FOUND")
+
+    before = not_found()
+    with Client(default_server.target) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x(1, 3, E), model="no-such-model")
+    assert err.value.code is grpc.StatusCode.NOT_FOUND
+    assert not_found() == before + 1
+    # It has no queue and never batches: a dashboard summing batch series by model sees no "" model.
+    unknown = [
+        line
+        for line in default_server.metrics_text().splitlines()
+        if 'model=""' in line
+        and not line.startswith(("attnserve_requests_", "attnserve_request_duration_seconds_", "attnserve_inflight_"))
+    ]
+    assert not unknown, unknown[:5]
+
+
 def test_promtool_finds_nothing_to_complain_about(default_server: Running) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -97,7 +97,7 @@ class AttnServer:
         await set_health(self._health, tuple(self.models), NOT_SERVING)
         if s.edge_processes == 1:
             # The port answers (NOT_SERVING) while the models load.
-            self._front = GrpcFront(s, self.models, self.metrics.for_model(""), self._health, self.tracing)
+            self._front = GrpcFront(s, self.models, self.metrics.for_unknown_models(), self._health, self.tracing)
             self.port = await self._front.start()
         else:
             # The port is claimed now; the edges serve it once the models are ready.

@@ -128,7 +128,14 @@ class Metrics:
         )
 
     def for_model(self, model: str) -> ModelMetrics:
-        model_metrics = ModelMetrics(self, model)
+        return self._add(ModelMetrics(self, model))
+
+    def for_unknown_models(self) -> ModelMetrics:
+        """Where requests naming no served model are counted: `model=""`, in the request series only
+        (it has no queue and no batches, so no batch series either)."""
+        return self._add(ModelMetrics(self, "", batches=False))
+
+    def _add(self, model_metrics: ModelMetrics) -> ModelMetrics:
         self._models.append(model_metrics)
         return model_metrics
 
@@ -225,15 +232,16 @@ class InferenceStats:
 class ModelMetrics:
     """One model's label children, bound once (label lookups are not free on the request path)."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: Metrics, model: str, *, batches: bool = True) -> None:
         self._metrics = metrics
         self.model = model
-        self._batch_requests = metrics.batch_requests.labels(model)
-        self._batch_sequences = metrics.batch_sequences.labels(model)
-        self._batch_tokens = metrics.batch_tokens.labels(model)
-        self._batch_padding = metrics.batch_padding.labels(model)
-        self._tokens = metrics.tokens.labels(model)
-        self._solo_batches = metrics.solo_batches.labels(model)
+        if batches:  # a labelled child is exported from the moment it exists, even at zero
+            self._batch_requests = metrics.batch_requests.labels(model)
+            self._batch_sequences = metrics.batch_sequences.labels(model)
+            self._batch_tokens = metrics.batch_tokens.labels(model)
+            self._batch_padding = metrics.batch_padding.labels(model)
+            self._tokens = metrics.tokens.labels(model)
+            self._solo_batches = metrics.solo_batches.labels(model)
         self.stats = InferenceStats()
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
         self.inflight = 0

@@ -261,7 +261,7 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
     servicer = health.aio.HealthServicer()
     await set_health(servicer, tuple(models), NOT_SERVING)
     engine.health = servicer
-    front = GrpcFront(settings, models, metrics.for_model(""), servicer, tracing, port=port, share_port=True)
+    front = GrpcFront(settings, models, metrics.for_unknown_models(), servicer, tracing, port=port, share_port=True)
     try:
         await front.start()
     except ConfigError as exc:
