@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry
 from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
-from attnserve_server.compute.staging import host_tensor
+from attnserve_server.compute.staging import Stager, host_tensor, pack
 from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AttentionRequest, compute_macs
+from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.settings import ModelSettings
@@ -33,6 +33,43 @@ def worker(torch_threads: int | None = None, small_batch_macs: int = SMALL_BATCH
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     threads = CpuThreads(torch_threads, small_batch_macs)
     return DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), threads)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int16])  # int16: bfloat16's bit patterns
+def test_pack_writes_each_sequence_at_its_place_and_zeros_past_its_length(dtype) -> None:
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(1, 100, size=shape).astype(dtype) for shape in ((2, 3, 4), (1, 5, 4), (3, 2, 4))]
+    # Message bytes, and a typed memoryview (as an engine's arena might hand over): both pack alike.
+    parts = [
+        HostTensor(arrays[0].tobytes(), (2, 3, 4)),
+        HostTensor(memoryview(arrays[1]), (1, 5, 4)),
+        HostTensor(arrays[2].tobytes(), (3, 2, 4)),
+    ]
+    dest = np.full((6, 5, 4), -1, dtype=dtype)  # stale bytes, as a reused buffer holds
+    pack(memoryview(dest).cast("B"), parts, 5, dest.itemsize)
+    expected = np.zeros((6, 5, 4), dtype=dtype)
+    expected[0:2, :3], expected[2:3], expected[3:6, :2] = arrays
+    np.testing.assert_array_equal(dest, expected)
+
+
+@pytest.mark.parametrize("one_slab", [False, True], ids=["cpu", "one slab, as on cuda"])
+def test_staging_pads_every_input_and_carries_the_mask(one_slab: bool) -> None:
+    # The one-slab layout is CUDA's (every input and the mask in one buffer, one copy to the device);
+    # run here on the CPU, so it is checked where no GPU is.
+    rng = np.random.default_rng(1)
+    queries = [torch.from_numpy(rng.standard_normal((1, t, 8)).astype(np.float32)) for t in (3, 5)]
+    keys = [torch.from_numpy(rng.standard_normal((1, s, 6)).astype(np.float32)) for s in (4, 2)]
+    mask = np.array([[False, False, False, True], [False, False, True, True]])
+    stager = Stager(torch.device("cpu"), torch.float32, one_slab=one_slab)
+    for _ in range(2):  # the slab is reused: a second batch must not see the first's bytes
+        (query, key), staged_mask = stager.stage(
+            [([host_tensor(q) for q in queries], 5), ([host_tensor(k) for k in keys], 4)], mask
+        )
+        expected_q, expected_k = torch.zeros(2, 5, 8), torch.zeros(2, 4, 6)
+        expected_q[0, :3], expected_q[1], expected_k[0], expected_k[1, :2] = queries[0], queries[1], keys[0], keys[1]
+        assert torch.equal(query, expected_q) and torch.equal(key, expected_k)
+        assert staged_mask is not None and np.array_equal(staged_mask.numpy(), mask)
+        queries = [q + 1 for q in queries]
 
 
 def test_torch_threads_apply_on_the_worker_thread_itself() -> None:

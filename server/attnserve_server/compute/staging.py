@@ -1,15 +1,23 @@
 """A batch's bytes in and out: every request's inputs into one buffer, the batch's outputs split per request.
 
-In: on the CPU, requests of equal lengths are joined (one copy; none for a single request) and
-viewed as a tensor; mixed lengths go into one zero-padded buffer. On CUDA every input of the batch
+In: on the CPU, the requests are packed into one buffer, zero-padded to the longest (one copy each;
+none for a lone request), and viewed as a tensor. On CUDA every input of the batch
 (query, key, value, key mask) is written into one page-locked slab and crosses to the device in a
 single host-to-device copy; the kernels read views of it.
 Out: the output (and weights) come back to the host once, and each request's answer is one slice
 of it as bytes.
+
+Inputs are packed with memoryview slice assignment: a memcpy that keeps the GIL. The worker thread
+shares the GIL with the event loop, and giving it up for longer than a moment lets a busy loop take
+it, after which the worker waits up to the switch interval (5 ms) to have it back. bytes.join gives
+it up while it copies more than 1 MiB (sixteen W1 requests): at concurrency 32 the join cost 1.2 ms
+a batch, almost all of it that wait (BENCHMARKS.md, tenth pass). For the same reason a batch makes
+as few torch calls as it can.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 
@@ -20,13 +28,14 @@ from attnserve_server.domain import AttentionRequest, HostTensor
 
 _ALIGN = 256  # bytes: each region of the slab starts aligned for vectorised kernels
 
-# torch.frombuffer warns, once per process, that message bytes are read-only. The kernels never
-# write to their inputs, so spend that warning here.
+# torch.from_numpy warns, once per process, that an array over message bytes is read-only. The
+# kernels never write to their inputs, so spend that warning here.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
+    torch.from_numpy(np.frombuffer(b"\0\0\0\0", dtype=np.float32))
 
 
+@functools.cache
 def storage_of(dtype: torch.dtype) -> tuple[np.dtype, torch.dtype]:
     """The numpy type that holds a torch dtype's bytes, and the torch view that numpy can hold."""
     if dtype == torch.bfloat16:
@@ -43,7 +52,8 @@ def host_tensor(t: torch.Tensor) -> HostTensor:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's elements as numpy (bf16 as uint16 bit patterns); no copy."""
-    return t.view(storage_of(t.dtype)[1]).numpy()
+    view = storage_of(t.dtype)[1]
+    return (t if view == t.dtype else t.view(view)).numpy()
 
 
 class Slab:
@@ -67,16 +77,33 @@ class Slab:
         return self._buffer[:nbytes]
 
 
-def _fill(region: np.ndarray, parts: Sequence[HostTensor], storage: np.dtype) -> None:
-    """Writes [B_i, T_i, D] parts into region [sum B_i, T, D], zero padding past each T_i."""
-    length = region.shape[1]
-    offset = 0
+_zeros = memoryview(bytes(1 << 16))  # padding's source; replaced by a larger one when a row needs it
+
+
+def _zeros_of(nbytes: int) -> memoryview:
+    global _zeros
+    if len(_zeros) < nbytes:
+        _zeros = memoryview(bytes(nbytes))
+    return _zeros[:nbytes]
+
+
+def pack(dest: memoryview, parts: Sequence[HostTensor], length: int, itemsize: int) -> None:
+    """Writes [B_i, T_i, D] parts into `dest` (bytes) as [sum B_i, length, D], zero padding past each
+    T_i. memoryview copies, so the GIL stays with the caller throughout (see the module's note)."""
+    at = 0
     for part in parts:
         b, t, d = part.shape
-        region[offset : offset + b, :t] = np.frombuffer(part.data, dtype=storage).reshape(b, t, d)
-        if t < length:
-            region[offset : offset + b, t:] = 0
-        offset += b
+        src = memoryview(part.data).cast("B")
+        if t == length:
+            dest[at : at + len(src)] = src
+            at += len(src)
+            continue
+        row, pad = t * d * itemsize, (length - t) * d * itemsize
+        zeros = _zeros_of(pad)
+        for i in range(b):
+            dest[at : at + row] = src[i * row : (i + 1) * row]
+            dest[at + row : at + row + pad] = zeros
+            at += row + pad
 
 
 def key_mask(requests: Sequence[AttentionRequest], n: int, s: int) -> np.ndarray | None:
@@ -97,23 +124,25 @@ def key_mask(requests: Sequence[AttentionRequest], n: int, s: int) -> np.ndarray
 class Stager:
     """Turns a batch's requests into the kernels' input tensors on one device."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, one_slab: bool | None = None) -> None:
+        """`one_slab`: stage every input into one slab and copy that to the device at once; by default
+        on CUDA only (the slab is page-locked there)."""
         self.device = device
         self.dtype = dtype
         self._storage = storage_of(dtype)[0]
-        self._cuda = device.type == "cuda"
-        self.slab = Slab(pinned=True) if self._cuda else None
+        cuda = device.type == "cuda"
+        self.slab = Slab(pinned=cuda) if (cuda if one_slab is None else one_slab) else None
 
     def _cpu(self, parts: Sequence[HostTensor], length: int) -> torch.Tensor:
         n = sum(p.shape[0] for p in parts)
         width = parts[0].shape[2]
-        if all(p.shape[1] == length for p in parts):
-            # Equal lengths: one join (no copy for a single request) and one view.
-            data = parts[0].data if len(parts) == 1 else b"".join([p.data for p in parts])
-            return torch.frombuffer(data, dtype=self.dtype).view(n, length, width)
-        padded = np.empty((n, length, width), dtype=self._storage)
-        _fill(padded, parts, self._storage)
-        return torch.from_numpy(padded).view(self.dtype)
+        if len(parts) == 1 and parts[0].shape[1] == length:
+            data = np.frombuffer(parts[0].data, dtype=self._storage)  # no copy
+        else:
+            data = np.empty(n * length * width, dtype=self._storage)
+            pack(memoryview(data).cast("B"), parts, length, self._storage.itemsize)
+        t = torch.from_numpy(data.reshape(n, length, width))
+        return t if t.dtype == self.dtype else t.view(self.dtype)
 
     def stage(
         self,
@@ -121,10 +150,10 @@ class Stager:
         mask: np.ndarray | None,
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """roles: (parts, padded length) per float input, in order. Returns their tensors and the mask's."""
-        if not self._cuda:
+        if self.slab is None:
             tensors = [self._cpu(parts, length) for parts, length in roles]
             return tensors, None if mask is None else torch.from_numpy(mask)
-        # CUDA: plan one slab, fill it with numpy, one host-to-device copy, views on the device.
+        # One slab (CUDA): plan it, pack every input into it, one host-to-device copy, views on the device.
         itemsize = self._storage.itemsize
         layout: list[tuple[int, int, tuple[int, int, int]]] = []  # (offset, bytes, shape) per role
         offset = 0
@@ -135,12 +164,12 @@ class Stager:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         mask_at = offset
         total = offset + (0 if mask is None else mask.size)
-        host = self.slab.take(total)  # type: ignore[union-attr]
-        host_np = host.numpy()
-        for (parts, _), (at, nbytes, shape) in zip(roles, layout, strict=True):
-            _fill(host_np[at : at + nbytes].view(self._storage).reshape(shape), parts, self._storage)
+        host = self.slab.take(total)
+        dest = memoryview(host.numpy())
+        for (parts, length), (at, nbytes, _) in zip(roles, layout, strict=True):
+            pack(dest[at : at + nbytes], parts, length, itemsize)
         if mask is not None:
-            host_np[mask_at:total] = mask.reshape(-1).view(np.uint8)
+            dest[mask_at:total] = memoryview(np.ascontiguousarray(mask)).cast("B")
         dev = host.to(self.device, non_blocking=True)
         tensors = []
         for at, nbytes, shape in layout:
