@@ -133,7 +133,7 @@ class Metrics:
     def for_unknown_models(self) -> ModelMetrics:
         """Where requests naming no served model are counted: `model=""`, in the request series only
         (it has no queue and no batches, so no batch series either)."""
-        return self._add(ModelMetrics(self, "", batches=False))
+        return self._add(ModelMetrics(self, ""))
 
     def _add(self, model_metrics: ModelMetrics) -> ModelMetrics:
         self._models.append(model_metrics)
@@ -232,10 +232,12 @@ class InferenceStats:
 class ModelMetrics:
     """One model's label children, bound once (label lookups are not free on the request path)."""
 
-    def __init__(self, metrics: Metrics, model: str, *, batches: bool = True) -> None:
+    def __init__(self, metrics: Metrics, model: str) -> None:
         self._metrics = metrics
         self.model = model
-        if batches:  # a labelled child is exported from the moment it exists, even at zero
+        # "" is the unknown-model sink (for_unknown_models): it never batches, and a labelled child
+        # is exported from the moment it exists, even at zero, so it gets no batch children.
+        if model:
             self._batch_requests = metrics.batch_requests.labels(model)
             self._batch_sequences = metrics.batch_sequences.labels(model)
             self._batch_tokens = metrics.batch_tokens.labels(model)
