@@ -426,6 +426,7 @@ METRICS = [
     "attnserve_batch_tokens_bucket",
     "attnserve_batch_padding_ratio_bucket",
     "attnserve_tokens_total",
+    "attnserve_cpu_batches_total",
     "attnserve_dropped_requests_total",
     "attnserve_queue_depth",
     "attnserve_inflight_requests",
@@ -436,6 +437,12 @@ METRICS = [
 def test_metrics_are_scraped_with_the_requests_counted(default_server: Running) -> None:
     before = default_server.sample("attnserve_requests_total", model="bare", method="Attend", code="OK")
     tokens = default_server.sample("attnserve_tokens_total", model="bare")
+
+    # 2·5·7·(64+16) multiply-adds a request: too few for two threads, so each batch runs on one
+    def one_thread() -> float:
+        return default_server.sample("attnserve_cpu_batches_total", model="bare", device="cpu", threads="1")
+
+    one_thread_before = one_thread()
     with Client(default_server.target) as c:
         for _ in range(3):
             c.attend(x(2, 5, E), model="bare", key=x(2, 7, E), value=x(2, 7, 16))
@@ -444,6 +451,7 @@ def test_metrics_are_scraped_with_the_requests_counted(default_server: Running) 
         assert f"\n{name}{{" in text, name
     assert default_server.sample("attnserve_requests_total", model="bare", method="Attend", code="OK") == before + 3
     assert default_server.sample("attnserve_tokens_total", model="bare") == tokens + 30
+    assert one_thread() == one_thread_before + 3
     assert (
         default_server.sample("attnserve_request_duration_seconds_bucket", model="bare", method="Attend", le="10.0")
         >= 3

@@ -18,7 +18,7 @@ from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack
-from attnserve_server.compute.threads import SMALL_BATCH_MACS, CpuThreads
+from attnserve_server.compute.threads import PROBE_EVERY, SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
@@ -206,6 +206,73 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
 )
 def test_a_cpu_batch_runs_on_one_thread_when_small(most, macs, requests, small, expected) -> None:
     assert CpuThreads(None, small).for_batch(most, macs, requests) == expected
+
+
+MEASURED = 226_000_000  # twelve W1 requests: several requests, enough work for two threads
+
+
+def test_a_large_batch_of_several_requests_runs_on_whichever_thread_count_measures_faster() -> None:
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+
+    def run(batches: int, seconds_by_threads: dict[int, float]) -> list[int]:
+        picked = []
+        for _ in range(batches):
+            threads, measured = chooser.pick(MEASURED, 12)
+            assert measured
+            chooser.record(threads, MEASURED, seconds_by_threads[threads])
+            picked.append(threads)
+        return picked
+
+    # Each count is tried once first; two threads twice as fast (a host with a core to spare) keep them,
+    # with one batch in PROBE_EVERY on one thread so its time stays known.
+    idle = run(4 * PROBE_EVERY, {1: 0.010, 2: 0.005})
+    assert idle[:2] == [2, 1]
+    assert idle[2:].count(1) == len(idle) // PROBE_EVERY
+    # The loop gets busy: two threads now take as long as one. The probes see it and one thread takes
+    # over within a few of them, then two threads are only probed.
+    busy = run(8 * PROBE_EVERY, {1: 0.010, 2: 0.0105})
+    assert busy[-4 * PROBE_EVERY :].count(2) == 4
+    # A speedup under min_speedup is not enough to use both.
+    assert run(8 * PROBE_EVERY, {1: 0.010, 2: 0.0098})[-4 * PROBE_EVERY :].count(2) == 4
+    # Load eases: back to two.
+    assert run(8 * PROBE_EVERY, {1: 0.010, 2: 0.006})[-4 * PROBE_EVERY :].count(1) == 4
+
+
+@pytest.mark.parametrize(
+    ("rule", "most", "macs", "requests", "expected"),
+    [
+        (CpuThreads(), 2, 19_000_000, 1, 2),  # a lone request: every thread, its latency matters
+        (CpuThreads(), 2, 35_000_000, 8, 1),  # below small_batch_macs: one, by size
+        (CpuThreads(), 1, MEASURED, 12, 1),  # one thread configured: nothing to choose
+        (CpuThreads(None, 0), 2, MEASURED, 12, 2),  # the size rule off: every thread
+        (CpuThreads(None, SMALL_BATCH_MACS, 0), 2, MEASURED, 12, 2),  # measuring off: every thread
+    ],
+)
+def test_other_batches_are_not_measured(rule, most, macs, requests, expected) -> None:
+    chooser = rule.chooser(most)
+    for _ in range(3):
+        assert chooser.pick(macs, requests) == (expected, False)
+
+
+def test_a_time_that_is_no_time_is_not_learned() -> None:
+    chooser = CpuThreads().chooser(2)
+    for seconds in (0.0, -1.0, float("nan"), float("inf")):
+        chooser.record(2, MEASURED, seconds)
+    assert chooser.pick(MEASURED, 12) == (2, True)  # still untried: each count is tried first
+    assert chooser.pick(MEASURED, 12) == (2, True)
+
+
+def test_the_worker_times_a_measured_batch_on_each_count_and_reports_the_threads() -> None:
+    w = worker(torch_threads=2, small_batch_macs=1)  # every batch of several requests is measured
+    try:
+        batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
+        ran = [w.executor.submit(w.run, batch).result()[0].batch.threads for _ in range(3)]
+        # tried on every thread, then on one; then the one measured faster (either may be, here)
+        assert ran[:2] == [2, 1] and ran[2] in (1, 2)
+        lone = w.executor.submit(w.run, batch[:1]).result()[0].batch
+        assert lone.threads == 2 and lone.requests == 1
+    finally:
+        w.close()
 
 
 def test_a_batchs_multiply_adds_count_projections_and_attention() -> None:

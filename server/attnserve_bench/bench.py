@@ -396,7 +396,8 @@ def inprocess_throughput(
 
     def build() -> tuple[DeviceWorker, list[list[AttentionRequest]]]:
         params = None if info.kind == "sdpa" else random_projections(spec, 0)
-        worker = DeviceWorker(spec, params, torch.device(info.devices[0]), CpuThreads(torch_threads))
+        # the machine to itself: a large batch on every thread, not measured
+        worker = DeviceWorker(spec, params, torch.device(info.devices[0]), CpuThreads(torch_threads, min_speedup=0))
 
         def request(one: dict[str, Any]) -> AttentionRequest:
             def tensor(name: str):

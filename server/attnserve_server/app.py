@@ -54,7 +54,7 @@ class AttnServer:
                 m,
                 self.metrics.for_model(m.name),
                 worker_factory,
-                CpuThreads(settings.torch_threads, settings.small_batch_macs),
+                CpuThreads(settings.torch_threads, settings.small_batch_macs, settings.min_parallel_speedup),
                 settings.max_message_bytes,
                 self.tracing,
                 solo_macs=settings.solo_macs,

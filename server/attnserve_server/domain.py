@@ -152,6 +152,7 @@ class BatchReport:
     tokens: int  # real query tokens
     padded_tokens: int  # query tokens computed, padding included (sequences x longest query)
     padding_fraction: float  # share of padded query and key positions
+    threads: int = 0  # intra-op threads a CPU batch ran on (0: not a CPU batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,12 @@ class Metrics:
             ["model", "device"],
             registry=registry,
         )
+        self.cpu_batches = Counter(
+            "attnserve_cpu_batches",
+            "CPU batches computed, by the intra-op threads each ran on (compute/threads.py chooses).",
+            ["model", "device", "threads"],
+            registry=registry,
+        )
         self.solo_batches = Counter(
             "attnserve_solo_batches",
             "Lone requests computed on the event loop while the server was quiet (solo runs), batches of one.",
@@ -277,6 +283,8 @@ class ModelMetrics:
         self._batch_tokens.observe(report.tokens)
         self._batch_padding.observe(report.padding_fraction)
         self._tokens.inc(report.tokens)
+        if report.threads:
+            self._metrics.cpu_batches.labels(self.model, device, str(report.threads)).inc()
         stats = self.stats
         stats.compute.add(report, report.requests)
         by_size = stats.by_batch_size.get(report.sequences)

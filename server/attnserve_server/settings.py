@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnserve_server.compute.threads import SMALL_BATCH_MACS
+from attnserve_server.compute.threads import MIN_SPEEDUP, SMALL_BATCH_MACS
 from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
@@ -88,6 +88,9 @@ class ServerSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
+    # A larger CPU batch of several requests runs on every intra-op thread only while they measure this
+    # much faster than one (compute/threads.py); 0: always every thread.
+    min_parallel_speedup: float = MIN_SPEEDUP
     # On a quiet CPU server a lone request up to this many multiply-adds runs on the event loop (solo.py).
     solo_macs: int = SOLO_MACS
     log_level: str = "INFO"
@@ -146,6 +149,14 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0 turns this off"
         f" (default {SMALL_BATCH_MACS})",
+    ),
+    Option(
+        "min-parallel-speedup",
+        "server",
+        float,
+        "a larger CPU batch of several requests runs on every intra-op thread only while they compute such"
+        " batches at least this many times faster than one thread, as measured; 0: always every thread"
+        f" (default {MIN_SPEEDUP})",
     ),
     Option(
         "solo-macs",
@@ -403,6 +414,10 @@ def validate(settings: ServerSettings) -> None:
         f"torch_threads: expected >= 1, got {settings.torch_threads}",
     )
     _check(settings.small_batch_macs >= 0, f"small_batch_macs: expected >= 0, got {settings.small_batch_macs}")
+    _check(
+        settings.min_parallel_speedup == 0 or settings.min_parallel_speedup >= 1,
+        f"min_parallel_speedup: expected 0 or >= 1, got {settings.min_parallel_speedup}",
+    )
     _check(settings.solo_macs >= 0, f"solo_macs: expected >= 0, got {settings.solo_macs}")
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(

@@ -14,7 +14,7 @@ from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.graphs import GraphedAttention
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
-from attnserve_server.compute.threads import CpuThreads
+from attnserve_server.compute.threads import CpuThreads, ThreadChooser
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import (
     Answer,
@@ -132,16 +132,19 @@ class DeviceWorker:
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
-    def _set_cpu_threads(self, macs: int, requests: int) -> None:
-        """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why)."""
+    def _set_cpu_threads(self, macs: int, requests: int) -> tuple[ThreadChooser, int, bool]:
+        """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why). Returns the
+        thread's chooser, the threads set, and whether the chooser learns from this batch's time."""
         local = self._local
-        if not hasattr(local, "most"):  # this thread's first batch: what it may use at most
-            local.most = self._threads.count or torch.get_num_threads()
+        if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
+            local.chooser = self._threads.chooser(self._threads.count or torch.get_num_threads())
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
-        wanted = self._threads.for_batch(local.most, macs, requests)
+        chooser: ThreadChooser = local.chooser
+        wanted, measured = chooser.pick(macs, requests)
         if wanted != local.current:
             torch.set_num_threads(wanted)
             local.current = wanted
+        return chooser, wanted, measured
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory the worker holds (0 on the CPU)."""
@@ -167,8 +170,13 @@ class DeviceWorker:
         lane: _Lane = getattr(self._local, "lane", self._lanes[0])
         groups = [requests] if self._cuda else length_groups(self.spec, requests)
         shapes = [_padded(group) for group in groups]
+        chooser = None
+        threads = 0
         if not self._cuda:
-            self._set_cpu_threads(sum(compute_macs(self.spec, *shape) for shape in shapes), len(requests))
+            macs = sum(compute_macs(self.spec, *shape) for shape in shapes)
+            chooser, threads, measured = self._set_cpu_threads(macs, len(requests))
+            if not measured:
+                chooser = None
         staged_s = computed_s = 0.0
         gpu_s = None
         outputs: list[bytes] = []
@@ -182,6 +190,8 @@ class DeviceWorker:
             if weights_host is not None:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
                 weights = (weights or []) + split(weights_host, group, key_axis=True)
+        if chooser is not None:
+            chooser.record(threads, macs, computed_s)
         width = out_host.shape[-1]
         if groups[0] is not requests:  # grouped by length: back in the batch's order
             order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
@@ -206,6 +216,7 @@ class DeviceWorker:
             tokens=sum(r.sequences * r.query_len for r in requests),
             padded_tokens=sum(n * length for n, length, _ in shapes),
             padding_fraction=1.0 - real / sum(n * (length + s) for n, length, s in shapes),
+            threads=threads,
         )
         answers = []
         for i, r in enumerate(requests):
