@@ -119,6 +119,46 @@ def test_requests_queue_while_the_runner_is_busy_and_then_run_as_one_batch() -> 
     run(main())
 
 
+def test_pipelining_takes_half_the_requests_in_play_so_two_groups_alternate() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(pipeline=True))
+        blocker, threads = await occupy(b, runner)  # one request in the worker: taken alone
+        rest = [submit(b, x) for x in "abcdefg"]
+        await until(lambda: b.depth == 7)
+        runner.gate.set()
+        await asyncio.gather(blocker, *rest)
+        # in play after the blocker: itself and seven waiting, so four; then four and three, so three
+        assert runner.batches == [["block"], ["a", "b", "c", "d"], ["e", "f", "g"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_pipelining_limits_a_batch_but_does_not_close_it_before_its_delay() -> None:
+    async def main() -> None:
+        class Waits(Recorder):
+            def __init__(self) -> None:
+                super().__init__()
+                self.waits: list[float] = []
+
+            def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
+                super().batch_started(requests, queue_waits_s)
+                self.waits += queue_waits_s
+
+        runner, waits = FakeRunner(), Waits()
+        runner.gate.set()
+        b = Batcher(limits(pipeline=True, max_queue_delay_s=0.2), waits)
+        threads = start(b, runner)
+        futures = [submit(b, x) for x in "ab"]
+        await asyncio.gather(*futures)
+        assert runner.batches == [["a"], ["b"]]  # in play: two, so one at a time, and both ran
+        assert waits.waits[0] >= 0.2  # the first waited out its delay although it was all it could take
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_free_runner_takes_its_next_batch_without_the_event_loop() -> None:
     # Under load the loop is busy decoding and answering; the device must not wait for it. The loop
     # is held below, synchronously, while the runner finishes one batch: a runner that needed the

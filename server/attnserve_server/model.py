@@ -68,6 +68,7 @@ def limits_from_settings(settings: ModelSettings) -> BatchLimits:
         b.max_queue_size,
         max_queue_bytes=b.max_queue_bytes,
         max_batch_memory_bytes=b.max_batch_memory_bytes,
+        pipeline=b.pipeline,
     )
 
 

@@ -39,6 +39,9 @@ class BatchingSettings:
     max_queue_bytes: int = 1 << 30
     # What one batch may take while it computes: activations and attention scores (README: "Memory limits").
     max_batch_memory_bytes: int = 2 << 30
+    # A batch takes at most half the requests in play, so the loop answers one half while the worker
+    # computes the other (batching.py). Off until measured as the default; --pipeline true.
+    pipeline: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,13 @@ OPTIONS: tuple[Option, ...] = (
         "batching",
         int,
         "estimated memory one batch may use while it computes; larger requests are refused (default 2 GiB)",
+    ),
+    Option(
+        "pipeline",
+        "batching",
+        bool,
+        "true: a batch takes at most half the requests in play (those the last batch answered plus those"
+        " waiting), so answering one half overlaps computing the other; false: all that fit (default false)",
     ),
     Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
     Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
