@@ -16,9 +16,8 @@ plus those waiting. A worker that took everything made clients move in waves: ei
 requests computed as one batch, were answered together, came back one by one, and the free worker
 took the first alone. With the cap they settle into two groups in turn: the loop answers one while
 the worker computes the other. On the 2-core VM W1 served 10-25% more at concurrency 4-16 and L=256
-7% more at 8, with concurrency 1, 2 and 32 unchanged (BENCHMARKS.md, eleventh pass). The cap
-limits what a batch takes, not when it closes: a max_queue_delay still runs its course. Off by
-default until the tests that count batches are reviewed under it (`--pipeline true`).
+7% more at 8, with concurrency 1, 2 and 32 unchanged (BENCHMARKS.md, eleventh pass). A model with
+a max_queue_delay asked for full batches: it gets no cap.
 
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
@@ -385,10 +384,12 @@ class Batcher(Generic[T, R]):
         limits = self._limits
         count = sequences = longest = memory = 0
         queue = self._groups.get(group, ())
-        cap = max(1, (self._last_taken + len(queue)) // 2) if limits.pipeline else len(queue)
+        cap = len(queue)
+        if limits.pipeline and limits.max_queue_delay_s <= 0:  # a delay asks for full batches: no cap
+            cap = max(1, (self._last_taken + len(queue)) // 2)
         for entry in queue:
-            if count >= cap:  # limits what the batch takes; a delay still runs its course
-                return count, False
+            if count >= cap:
+                return count, True
             total = sequences + entry.sequences
             tokens = total * max(longest, entry.length)
             more = memory + entry.memory

@@ -40,8 +40,8 @@ class BatchingSettings:
     # What one batch may take while it computes: activations and attention scores (README: "Memory limits").
     max_batch_memory_bytes: int = 2 << 30
     # A batch takes at most half the requests in play, so the loop answers one half while the worker
-    # computes the other (batching.py). Off until measured as the default; --pipeline true.
-    pipeline: bool = False
+    # computes the other (batching.py).
+    pipeline: bool = True
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ OPTIONS: tuple[Option, ...] = (
         "batching",
         bool,
         "true: a batch takes at most half the requests in play (those the last batch answered plus those"
-        " waiting), so answering one half overlaps computing the other; false: all that fit (default false)",
+        " waiting), so answering one half overlaps computing the other; false: all that fit (default true)",
     ),
     Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
     Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
