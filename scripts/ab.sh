@@ -15,12 +15,16 @@ shift
 ATTNSERVE=${ATTNSERVE:-.venv/bin/attnserve}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-PA=$(scripts/perf_analyzer.sh --setup)
-QUERY=${QUERY:-$OUT/query.json}
-[ -f "$QUERY" ] || .venv/bin/python -c 'import base64, json, sys, numpy as np
+scripts/perf_analyzer.sh --setup >/dev/null
+if [ -n "${QUERY:-}" ]; then
+  [ -f "$QUERY" ] || { echo "ab.sh: no query file $QUERY" >&2; exit 1; }
+else
+  QUERY=$OUT/query.json
+  .venv/bin/python -c 'import base64, json, sys, numpy as np
 x = np.random.default_rng(0).standard_normal((64, 256)).astype("<f4")
 json.dump({"data": [{"query": {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [64, 256]}}]}, open(sys.argv[1], "w"))' \
-  "$QUERY"
+    "$QUERY"
+fi
 free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PORT=$(free_port)
 MPORT=$(free_port)

@@ -15,9 +15,10 @@ those the previous batch answered (the loop is sending them, and their clients w
 plus those waiting. A worker that took everything made clients move in waves: eight W1 clients'
 requests computed as one batch, were answered together, came back one by one, and the free worker
 took the first alone. With the cap they settle into two groups in turn: the loop answers one while
-the worker computes the other. On the 2-core VM W1 served 10-25% more at concurrency 4-16 and L=256
-7% more at 8, with concurrency 1, 2 and 32 unchanged (BENCHMARKS.md, eleventh pass). A model with
-a max_queue_delay asked for full batches: it gets no cap.
+the worker computes the other. On the 2-core VM, in alternating pairs, W1 served 25-35% more at
+concurrency 4 and 8 and the same at 1; at 32 the pairs gained 9-26%, which one side-by-side run did
+not confirm (BENCHMARKS.md, eleventh pass). A model with a max_queue_delay asked for full batches:
+it gets no cap.
 
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
@@ -62,7 +63,9 @@ class BatchLimits:
     max_queue_size: int  # requests waiting
     max_queue_bytes: int = 1 << 62  # bytes of the requests waiting
     max_batch_memory_bytes: int = 1 << 62  # the sum of a batch's items' memory estimates
-    pipeline: bool = False  # a batch takes at most half the requests in play (module docstring)
+    # A batch takes at most half the requests in play (module docstring). Off here, the mechanism's
+    # default; a served model's settings turn it on unless configured otherwise.
+    pipeline: bool = False
 
 
 # A call the caller cancels this close to its deadline is counted as expired, not cancelled: the

@@ -132,9 +132,9 @@ class DeviceWorker:
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
-    def _set_cpu_threads(self, macs: int, requests: int) -> tuple[ThreadChooser, int, bool]:
+    def _set_cpu_threads(self, macs: int, requests: int) -> tuple[int, ThreadChooser | None]:
         """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why). Returns the
-        thread's chooser, the threads set, and whether the chooser learns from this batch's time."""
+        threads set, and the thread's chooser if it learns from this batch's time (else None)."""
         local = self._local
         if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
             local.chooser = self._threads.chooser(self._threads.count or torch.get_num_threads())
@@ -144,7 +144,7 @@ class DeviceWorker:
         if wanted != local.current:
             torch.set_num_threads(wanted)
             local.current = wanted
-        return chooser, wanted, measured
+        return wanted, chooser if measured else None
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory the worker holds (0 on the CPU)."""
@@ -174,9 +174,7 @@ class DeviceWorker:
         threads = 0
         if not self._cuda:
             macs = sum(compute_macs(self.spec, *shape) for shape in shapes)
-            chooser, threads, measured = self._set_cpu_threads(macs, len(requests))
-            if not measured:
-                chooser = None
+            threads, chooser = self._set_cpu_threads(macs, len(requests))
         staged_s = computed_s = 0.0
         gpu_s = None
         outputs: list[bytes] = []
