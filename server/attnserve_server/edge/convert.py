@@ -5,6 +5,7 @@ from __future__ import annotations
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.wire import INPUT_NAMES, WireTensor, build_request
 
 # attnserve.v1 DataType <-> the wire name (DATA_TYPE_FP32 <-> FP32); unknown numbers read as <n>.
@@ -28,18 +29,24 @@ def request_from_proto(msg: pb.AttendRequest, spec: ModelSpec) -> AttentionReque
     )
 
 
-def _set_tensor(out: pb.Tensor, dtype: str, shape: tuple[int, ...], data: bytes, unbatched: bool) -> None:
-    out.dtype = _ENUM[dtype]
-    out.shape[:] = shape[1:] if unbatched else shape
-    out.data = data
+_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
+_WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
+_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 
-def fill_response(response: pb.AttendResponse, spec: ModelSpec, request: AttentionRequest, answer: Answer) -> None:
-    """The answer's bytes into the response: one copy each, made by protobuf."""
+def _tensor(dtype: str, shape: tuple[int, ...], data: bytes, unbatched: bool) -> Frame:
+    head = pb.Tensor(dtype=_ENUM[dtype], shape=shape[1:] if unbatched else shape).SerializeToString()
+    return Frame(head).add_bytes(_DATA, data)
+
+
+def framed_response(response: pb.AttendResponse, spec: ModelSpec, request: AttentionRequest, answer: Answer) -> Frame:
+    """`response` (its other fields set) with the answer's tensors, their bytes uncopied (framing.py)."""
     dtype = spec.dtype.name
-    _set_tensor(response.output, dtype, answer.output_shape, answer.output, request.unbatched)
+    frame = Frame(response.SerializeToString())
+    frame.add_message(_OUTPUT, _tensor(dtype, answer.output_shape, answer.output, request.unbatched))
     if answer.weights is not None:
-        _set_tensor(response.attention_weights, dtype, answer.weights_shape, answer.weights, request.unbatched)
+        frame.add_message(_WEIGHTS, _tensor(dtype, answer.weights_shape, answer.weights, request.unbatched))
+    return frame
 
 
 def model_metadata(spec: ModelSpec, settings_batching, devices: list[str], ready: bool) -> pb.ModelMetadata:

@@ -16,6 +16,7 @@ import numpy as np
 
 from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.wire import WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
@@ -190,31 +191,54 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
     return Decoded(request, outputs, typed, timeout)
 
 
-def _output(response: v2.ModelInferResponse, name: str, dtype: str, shape, data: bytes, typed: bool) -> None:
+RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name["infer_response"].number
+
+
+def _output(response: v2.ModelInferResponse, name: str, dtype: str, shape, data: bytes, typed: bool) -> bytes | None:
+    """Adds output `name`; returns its bytes when they go in raw_output_contents (framing.py), else
+    None (typed contents, set here)."""
     out = response.outputs.add(name=name, datatype=dtype, shape=shape)
     if typed and dtype in _TYPED:
         getattr(out.contents, _TYPED[dtype]).extend(np.frombuffer(data, dtype=dtypes.BY_NAME[dtype].storage).tolist())
-    else:
-        response.raw_output_contents.append(data)  # one copy, made by protobuf
+        return None
+    return data
 
 
 def encode(
     spec: ModelSpec, msg: v2.ModelInferRequest, decoded: Decoded, answer: Answer, timing: dict[str, int]
-) -> v2.ModelInferResponse:
+) -> v2.ModelInferResponse | Frame:
+    """The response; a Frame (framing.py) when it carries raw_output_contents."""
     response = v2.ModelInferResponse(model_name=spec.name, model_version=VERSION, id=msg.id)
     for key, value in timing.items():
         response.parameters[key].int64_param = value
     dtype = spec.dtype.name
+    raw: list[bytes] = []
     for name in decoded.outputs:
+        data = None
         if name == OUTPUT:
-            _output(response, name, dtype, answer.output_shape, answer.output, decoded.typed)
+            data = _output(response, name, dtype, answer.output_shape, answer.output, decoded.typed)
         elif answer.weights is not None:
             # Averaged weights [B, L, S] go out as [B, 1, L, S]: one rank for both forms.
             shape = answer.weights_shape
             if len(shape) == 3:
                 shape = (shape[0], 1, *shape[1:])
-            _output(response, name, dtype, shape, answer.weights, decoded.typed)
-    return response
+            data = _output(response, name, dtype, shape, answer.weights, decoded.typed)
+        if data is not None:
+            raw.append(data)
+    if not raw:
+        return response
+    frame = Frame(response.SerializeToString())
+    for data in raw:
+        frame.add_bytes(RAW_OUTPUT_CONTENTS, data)
+    return frame
+
+
+def stream_response(infer: v2.ModelInferResponse | Frame) -> v2.ModelStreamInferResponse | Frame:
+    """A stream's answer to one request: the response `encode` made, as `infer_response`."""
+    if isinstance(infer, Frame):
+        return Frame().add_message(STREAM_INFER_RESPONSE, infer)
+    return v2.ModelStreamInferResponse(infer_response=infer)
 
 
 # -- metadata and configuration ------------------------------------------------------------

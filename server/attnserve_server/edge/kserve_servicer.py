@@ -20,6 +20,7 @@ from attnserve_server.edge.dispatch import (
     caller_status,
     unary_errors,
 )
+from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
@@ -87,7 +88,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
 
-    async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse:
+    async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse | Frame:
         decoded: kserve.Decoded | None = None
 
         def decode(served: Servable) -> tuple[AttentionRequest, float | None]:
@@ -110,10 +111,12 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context)
 
     @unary_errors
-    async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse:
+    async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse | Frame:
         return await self._infer(request, "ModelInfer", context)
 
-    async def _infer_in_band(self, msg: v2.ModelInferRequest | Undecodable, context) -> v2.ModelStreamInferResponse:
+    async def _infer_in_band(
+        self, msg: v2.ModelInferRequest | Undecodable, context
+    ) -> v2.ModelStreamInferResponse | Frame:
         if isinstance(msg, Undecodable):
             note_undecodable(msg, context.peer(), "ModelStreamInfer")
             failed = v2.ModelInferResponse()
@@ -122,7 +125,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
                 error_message=f"{msg.status_message}; no id to echo", infer_response=failed
             )
         try:
-            return v2.ModelStreamInferResponse(infer_response=await self._infer(msg, "ModelStreamInfer", context))
+            return kserve.stream_response(await self._infer(msg, "ModelStreamInfer", context))
         except Exception as exc:
             code, message = caller_status(exc, "ModelStreamInfer")
             failed = v2.ModelInferResponse(model_name=msg.model_name, model_version=msg.model_version, id=msg.id)
@@ -131,7 +134,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[v2.ModelStreamInferResponse]:
+    ) -> AsyncIterator[v2.ModelStreamInferResponse | Frame]:
         answers = self._dispatch.stream(request_iterator, lambda m: self._infer_in_band(m, context), context)
         async for response in answers:
             yield response

@@ -1,4 +1,5 @@
-"""Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call.
+"""Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call,
+and response serializing that sends a `framing.Frame` as it is.
 
 gRPC's generated registration parses each request before the handler runs, and a DecodeError there
 answers UNKNOWN with a traceback and ends a stream. Here a request that does not parse arrives as an
@@ -22,6 +23,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from attnserve_server.edge.framing import Frame
 from attnserve_server.errors import Unauthenticated
 from attnserve_server.security import TokenAuth, allowed_models
 
@@ -101,6 +103,16 @@ def _parser(cls):
     return parse
 
 
+def _serializer(cls):
+    """The response's wire bytes: a Frame's parts joined (framing.py), or protobuf's serialization."""
+    serialize = cls.SerializeToString
+
+    def serializer(response) -> bytes:
+        return response.join() if type(response) is Frame else serialize(response)
+
+    return serializer
+
+
 async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) -> None:
     """Checks the call's bearer token before anything of the request is looked at, and lets the
     handler know which models it may use (security.allowed_models)."""
@@ -176,7 +188,7 @@ def add_service(
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=_parser(GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+            response_serializer=_serializer(GetMessageClass(method.output_type)),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: no per-call lookup by name

@@ -9,7 +9,7 @@ import grpc
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.domain import Answer, AttentionRequest
-from attnserve_server.edge.convert import fill_response, model_metadata, request_from_proto
+from attnserve_server.edge.convert import framed_response, model_metadata, request_from_proto
 from attnserve_server.edge.dispatch import (
     Dispatcher,
     Encode,
@@ -18,6 +18,7 @@ from attnserve_server.edge.dispatch import (
     caller_status,
     unary_errors,
 )
+from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.registration import Undecodable, note_undecodable
 
 
@@ -28,26 +29,25 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._dispatch = dispatcher
 
     @staticmethod
-    def _encode(msg: pb.AttendRequest) -> Encode[pb.AttendResponse]:
-        def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float) -> pb.AttendResponse:
+    def _encode(msg: pb.AttendRequest) -> Encode[Frame]:
+        def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float) -> Frame:
             response = pb.AttendResponse(model=served.spec.name, request_id=msg.request_id)
-            fill_response(response, served.spec, request, answer)
             queue_ns, compute_ns, server_ns = Timing.of(answer, received)
             t = response.timing
             t.queue_ns, t.compute_ns, t.server_ns = queue_ns, compute_ns, server_ns
             t.batch_size, t.batch_sequences = answer.batch.requests, answer.batch.sequences
-            return response
+            return framed_response(response, served.spec, request, answer)
 
         return encode
 
-    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None, context) -> pb.AttendResponse:
+    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None, context) -> Frame:
         def decode(served: Servable):
             return request_from_proto(msg, served.spec), None
 
         return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context)
 
     @unary_errors
-    async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> pb.AttendResponse:
+    async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> Frame:
         return await self._answer(request, "Attend", self._dispatch.deadline(context), context)
 
     async def _answer_in_band(self, msg: pb.AttendRequest | Undecodable, deadline: float | None, context):
@@ -67,7 +67,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     async def AttendStream(
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttendResponse]:
+    ) -> AsyncIterator[pb.AttendResponse | Frame]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
         answers = self._dispatch.stream(request_iterator, lambda m: self._answer_in_band(m, deadline, context), context)
         async for response in answers:
