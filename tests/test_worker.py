@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import platform
 import subprocess
@@ -18,7 +19,7 @@ from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack
-from attnserve_server.compute.threads import PROBE_EVERY, SMALL_BATCH_MACS, CpuThreads
+from attnserve_server.compute.threads import FIRST_SAMPLES, PROBE_BUDGET, PROBE_EVERY, SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
@@ -224,18 +225,37 @@ def test_a_large_batch_of_several_requests_runs_on_whichever_thread_count_measur
         return picked
 
     # Each count is tried once first; two threads twice as fast (a host with a core to spare) keep them,
-    # with one batch in PROBE_EVERY on one thread so its time stays known.
-    idle = run(4 * PROBE_EVERY, {1: 0.010, 2: 0.005})
-    assert idle[:2] == [2, 1]
-    assert idle[2:].count(1) == len(idle) // PROBE_EVERY
+    # with a batch now and then on one thread so its time stays known: one in 1 / PROBE_BUDGET here,
+    # since a probe costs a whole batch more (probes cost at most PROBE_BUDGET of the time).
+    first = 2 * FIRST_SAMPLES
+    idle = run(4 * PROBE_EVERY + first, {1: 0.010, 2: 0.005})
+    assert idle[:first] == [2, 1] * FIRST_SAMPLES  # each tried in turn before either is trusted
+    assert chooser.probe_interval(2, 1) == round(1 / PROBE_BUDGET) > PROBE_EVERY
+    assert idle[first:].count(1) == (len(idle) - first) // round(1 / PROBE_BUDGET)
     # The loop gets busy: two threads now take as long as one. The probes see it and one thread takes
     # over within a few of them, then two threads are only probed.
     busy = run(8 * PROBE_EVERY, {1: 0.010, 2: 0.0105})
     assert busy[-4 * PROBE_EVERY :].count(2) == 4
     # A speedup under min_speedup is not enough to use both.
     assert run(8 * PROBE_EVERY, {1: 0.010, 2: 0.0098})[-4 * PROBE_EVERY :].count(2) == 4
-    # Load eases: back to two.
-    assert run(8 * PROBE_EVERY, {1: 0.010, 2: 0.006})[-4 * PROBE_EVERY :].count(1) == 4
+    # Load eases: back to two, one thread probed every (0.010 / 0.006 - 1) / PROBE_BUDGET batches.
+    eased = run(10 * PROBE_EVERY, {1: 0.010, 2: 0.006})
+    interval = chooser.probe_interval(2, 1)
+    assert interval == math.ceil((0.010 / 0.006 - 1) / PROBE_BUDGET)
+    assert eased[-4 * interval :].count(1) == 4
+
+
+def test_one_slow_first_batch_does_not_decide_the_thread_count() -> None:
+    """The first batches are a ramp-up: the first on two threads took three times its usual time."""
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+    two = iter([0.015] + [0.005] * 100)
+    picked = []
+    for _ in range(40):
+        threads, _measured = chooser.pick(MEASURED, 12)
+        chooser.record(threads, MEASURED, next(two) if threads == 2 else 0.010)
+        picked.append(threads)
+    assert picked[: 2 * FIRST_SAMPLES] == [2, 1] * FIRST_SAMPLES
+    assert chooser.preferred() == 2 and picked[2 * FIRST_SAMPLES :].count(1) == 0
 
 
 @pytest.mark.parametrize(

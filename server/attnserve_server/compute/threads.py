@@ -46,6 +46,16 @@ MIN_SPEEDUP = 1.05
 # an exponentially weighted mean of seconds per multiply-add with this weight for the newest batch.
 PROBE_EVERY = 32
 WEIGHT = 0.25
+# A probe costs what the other arm takes beyond the chosen one, so probes come further apart than
+# PROBE_EVERY when that arm is much slower: at most this share of the compute time goes to probing.
+# WL (E=1024, L=256) computes ~1.9x as fast on two threads (in-process 9.0 against 17.3 ms a
+# sequence); a one-thread probe every 32 of its ~200 ms batches put its slower batch in p99 (505-512
+# against 386-423 ms with no probes; BENCHMARKS.md, twelfth pass). So there every ~90 batches, and
+# still every 32 where the two are close (W1 under load).
+PROBE_BUDGET = 0.01
+# Each choice is tried this many times, in turn, before either is trusted: one slow first batch (a
+# ramp-up, a noisy neighbour) once left WL on one thread for 32 batches, ~9 s (twelfth pass).
+FIRST_SAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,9 @@ class ThreadChooser:
     or on all. Each choice keeps a mean of seconds per multiply-add over its recent batches; all
     threads are used while their mean is at least `min_speedup` times lower than one thread's. Every
     PROBE_EVERY-th measured batch runs on the other choice, so a change in load (the loop getting
-    busier, other work on the host) shows within a few hundred batches. A choice with no estimate yet
-    is tried first. Not thread-safe: one per worker thread.
+    busier, other work on the host) shows within a few hundred batches; where the other choice is much
+    slower, less often (PROBE_BUDGET). At first the two are tried in turn, FIRST_SAMPLES times each.
+    Not thread-safe: one per worker thread.
     """
 
     def __init__(self, rule: CpuThreads, most: int, probe_every: int = PROBE_EVERY, weight: float = WEIGHT) -> None:
@@ -90,21 +101,30 @@ class ThreadChooser:
         self._weight = weight
         self._measure = most > 1 and rule.small_batch_macs > 0 and rule.min_speedup > 0
         self._cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
-        self._measured = 0  # measured batches so far
+        self._samples = {most: 0, 1: 0}  # threads -> batches learned from
+        self._since_probe = 0  # measured batches since the other arm last ran
 
     def pick(self, macs: int, requests: int) -> tuple[int, bool]:
         """(threads, measured): the threads for this batch, and whether `record` should learn from it."""
         threads = self._rule.for_batch(self.most, macs, requests)
         if not self._measure or requests <= 1 or threads != self.most:
             return threads, False
-        self._measured += 1
-        for arm in (self.most, 1):
-            if arm not in self._cost:
-                return arm, True
+        fewer = min((self.most, 1), key=self._samples.__getitem__)  # a tie: every thread first
+        if self._samples[fewer] < FIRST_SAMPLES:
+            return fewer, True
         best = self.preferred()
-        if self._measured % self._probe_every == 0:
-            return (1 if best == self.most else self.most), True
+        other = 1 if best == self.most else self.most
+        self._since_probe += 1
+        if self._since_probe >= self.probe_interval(best, other):
+            self._since_probe = 0
+            return other, True
         return best, True
+
+    def probe_interval(self, best: int, other: int) -> int:
+        """Measured batches from one probe of `other` to the next: PROBE_EVERY, or more where `other`
+        is so much slower that probing it as often would cost more than PROBE_BUDGET."""
+        excess = self._cost[other] / self._cost[best] - 1.0
+        return max(self._probe_every, math.ceil(excess / PROBE_BUDGET))
 
     def preferred(self) -> int:
         """The threads a measured batch runs on between probes: all, unless they are not yet known to be
@@ -119,5 +139,8 @@ class ThreadChooser:
         if macs <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         cost = seconds / macs
+        n = self._samples[threads] = self._samples.get(threads, 0) + 1
         previous = self._cost.get(threads)
-        self._cost[threads] = cost if previous is None else previous + self._weight * (cost - previous)
+        # The plain mean of the first few batches (one slow first batch does not linger), then a moving mean.
+        weight = max(self._weight, 1.0 / n)
+        self._cost[threads] = cost if previous is None else previous + weight * (cost - previous)
