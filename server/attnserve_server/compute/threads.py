@@ -49,12 +49,13 @@ WEIGHT = 0.25
 # A probe costs what the other arm takes beyond the chosen one, so probes come further apart than
 # PROBE_EVERY when that arm is much slower: at most this share of the compute time goes to probing.
 # WL (E=1024, L=256) computes ~1.9x as fast on two threads (in-process 9.0 against 17.3 ms a
-# sequence); a one-thread probe every 32 of its ~200 ms batches put its slower batch in p99 (505-512
-# against 386-423 ms with no probes; BENCHMARKS.md, twelfth pass). So there every ~90 batches, and
+# sequence); a one-thread probe every 32 of its ~200 ms batches put its slower batch in p99 (487-512
+# against 386-424 ms with no probes; BENCHMARKS.md, twelfth pass). So there every ~90 batches, and
 # still every 32 where the two are close (W1 under load).
 PROBE_BUDGET = 0.01
-# Each choice is tried this many times, in turn, before either is trusted: one slow first batch (a
-# ramp-up, a noisy neighbour) once left WL on one thread for 32 batches, ~9 s (twelfth pass).
+# Each choice is tried this many times, in turn, before either is trusted, and those batches count as
+# a plain mean: with one sample each, WL once stayed on one thread for a whole 6 s run (51.7 against
+# ~80 req/s), most likely after one slow first batch on two (a ramp-up, a noisy neighbour; twelfth pass).
 FIRST_SAMPLES = 3
 
 
