@@ -91,15 +91,17 @@ def test_a_request_larger_than_the_arena_travels_in_the_message() -> None:
     np.testing.assert_allclose(whole, np.stack(parts), rtol=1e-5, atol=1e-5)
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, module: str = "attnserve_server.multiprocess.edge_process") -> list[int]:
+    """The processes `pid` started running `module` (its edges, not its idle spinners)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if int(fields[1]) == pid:
+            if int(fields[1]) == pid and module.encode() in command:
                 found.append(int(entry.name))
     return found
 

@@ -79,6 +79,8 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_WEIGHTS_FORMAT": "bert"}, "weights.path: format 'bert' needs a file"),
         ({"ATTNSERVE_EVENT_LOOP": "trio"}, "event_loop: expected one of auto, uvloop, asyncio, got 'trio'"),
         ({"ATTNSERVE_MIN_PARALLEL_SPEEDUP": "0.5"}, "min_parallel_speedup: expected 0 or >= 1, got 0.5"),
+        ({"ATTNSERVE_IDLE_SPIN_MS": "-1"}, "idle_spin_ms: expected >= 0, got -1.0"),
+        ({"ATTNSERVE_IDLE_SPIN_MS": "nan"}, "idle_spin_ms: expected >= 0, got nan"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:

@@ -15,6 +15,7 @@ from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, PortUnavailable
+from attnserve_server.idle_spin import IdleSpin
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
@@ -49,6 +50,8 @@ class AttnServer:
         # Tracing from a provider given (tests), else from OTEL_* (the `otel` extra), else off.
         self._owns_tracing = tracer_provider is None
         self.tracing = Tracing(tracer_provider) if tracer_provider is not None else tracing_from_environment()
+        # Spinners that keep the CPUs awake after each request (idle_spin.py); None: off here.
+        self.idle_spin = IdleSpin.from_settings(settings.idle_spin_ms)
         self.models = {
             m.name: ServedModel(
                 m,
@@ -58,6 +61,7 @@ class AttnServer:
                 settings.max_message_bytes,
                 self.tracing,
                 solo_macs=settings.solo_macs,
+                on_quiet=None if self.idle_spin is None else self.idle_spin.touch,
             )
             for m in settings.models
         }
@@ -134,6 +138,8 @@ class AttnServer:
             sorted({d for m in self.models.values() for d in m.devices if d != "cpu"}),
             lambda: {name: m.pinned_bytes() for name, m in self.models.items()},
         )
+        if self.idle_spin is not None:
+            self.idle_spin.start()
         if self.edges is not None:
             # The edges start once the models are ready: each learns of them as they will serve.
             await self.edges.start()
@@ -174,6 +180,8 @@ class AttnServer:
             await self._health_server.stop(0)
         for served in self.models.values():
             await asyncio.to_thread(served.close)
+        if self.idle_spin is not None:
+            await asyncio.to_thread(self.idle_spin.close)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

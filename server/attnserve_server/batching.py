@@ -214,7 +214,7 @@ class Batcher(Generic[T, R]):
         expires = math.inf if deadline is None else now + (deadline - loop.time())
         entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
         solo = self._solo
-        if solo is not None and solo.policy.admit(self._quiet()) and solo.eligible(item) and expires > now:
+        if solo is not None and solo.policy.admit(self.quiet()) and solo.eligible(item) and expires > now:
             return self._run_solo(solo, entry)
         with self._cond:
             refused = self._refusal(nbytes)
@@ -239,7 +239,7 @@ class Batcher(Generic[T, R]):
             if timer is not None:
                 timer.cancel()
 
-    def _quiet(self) -> bool:
+    def quiet(self) -> bool:
         """Nothing queued, no batch computing, and nothing that refuses new items."""
         with self._cond:
             return not (self._depth or self._in_flight or self._closing or self._broken)

@@ -17,6 +17,7 @@ from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, compute_macs
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
+from attnserve_server.idle_spin import QUIET_STREAK
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.settings import ModelSettings
 from attnserve_server.tracing import Tracing
@@ -83,9 +84,13 @@ class ServedModel:
         tracing: Tracing | None = None,
         *,
         solo_macs: int = 0,
+        on_quiet: Callable[[], None] | None = None,
     ) -> None:
         self._tracing = tracing
         self._solo_macs = solo_macs
+        # Told of each request that comes after QUIET_STREAK in a row found the model quiet (idle_spin.py).
+        self._on_quiet = on_quiet
+        self._quiet_in_a_row = 0
         self.settings = settings
         # Devices are resolved now: the dtype may depend on them, and a GPU asked for and missing
         # stops the server before anything starts.
@@ -203,6 +208,11 @@ class ServedModel:
         timer for it, needed only where the call does not enforce it (KServe's `timeout` parameter)."""
         if self._batcher is None or not self.ready:
             raise self._unready()
+        if self._on_quiet is not None:
+            # Only a quiet server's spinners spin: under load they cost more than the wake-ups they spare.
+            self._quiet_in_a_row = self._quiet_in_a_row + 1 if self._batcher.quiet() else 0
+            if self._quiet_in_a_row >= QUIET_STREAK:
+                self._on_quiet()
         return await self._batcher.submit(
             request,
             sequences=request.sequences,

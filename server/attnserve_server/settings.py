@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import tomllib
 import types
@@ -18,6 +19,7 @@ from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
 from attnserve_server.eventloop import CHOICES as EVENT_LOOPS
+from attnserve_server.idle_spin import WINDOW_MS
 from attnserve_server.solo import SOLO_MACS
 
 ENV_PREFIX = "ATTNSERVE_"
@@ -96,6 +98,8 @@ class ServerSettings:
     min_parallel_speedup: float = MIN_SPEEDUP
     # On a quiet CPU server a lone request up to this many multiply-adds runs on the event loop (solo.py).
     solo_macs: int = SOLO_MACS
+    # For this long after each request, idle-priority spinners keep the CPUs from halting (idle_spin.py); 0: off.
+    idle_spin_ms: float = WINDOW_MS
     log_level: str = "INFO"
     # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
     tls_cert: str | None = None
@@ -167,6 +171,14 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "on a quiet server with one CPU worker, a lone request with at most this many multiply-adds runs on the"
         f" event loop, sparing two thread hops; 0 turns this off (default {SOLO_MACS})",
+    ),
+    Option(
+        "idle-spin-ms",
+        "server",
+        float,
+        "for this long after each request, a spinner per CPU at idle priority keeps the CPUs from halting, so"
+        " that waking a thread costs no vCPU wake-up; off by itself under a CPU quota below the CPUs; 0 turns"
+        f" it off (default {WINDOW_MS:g})",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),
@@ -429,6 +441,10 @@ def validate(settings: ServerSettings) -> None:
         f"min_parallel_speedup: expected 0 or >= 1, got {settings.min_parallel_speedup}",
     )
     _check(settings.solo_macs >= 0, f"solo_macs: expected >= 0, got {settings.solo_macs}")
+    _check(
+        math.isfinite(settings.idle_spin_ms) and settings.idle_spin_ms >= 0,
+        f"idle_spin_ms: expected >= 0, got {settings.idle_spin_ms}",
+    )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(
         settings.event_loop in EVENT_LOOPS,
