@@ -131,7 +131,8 @@ class Load:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.warm = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(target,)) for _ in range(clients)]
+        # Daemons: a test that fails before stop() must not leave pytest waiting on them at exit.
+        self._threads = [threading.Thread(target=self._run, args=(target,), daemon=True) for _ in range(clients)]
         for t in self._threads:
             t.start()
 

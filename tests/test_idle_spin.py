@@ -103,6 +103,8 @@ def test_a_spinner_runs_at_idle_priority_only_after_a_touch_and_exits_on_close()
         (pid,) = spin.pids
         _until(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE, "the spinner to take idle priority")
         assert os.sched_getaffinity(pid) == {cpu}
+        # The server's session (so its autogroup): idle priority counts only within a group.
+        assert os.getsid(pid) == os.getsid(0)
         _until(lambda: _stat(pid)[0] == "S", "the spinner to sleep before any request")
         _spins_after_touch(spin, pid)
         # Its window over, it sleeps on the wake pipe, using no CPU.

@@ -4,7 +4,8 @@ Started by `idle_spin.IdleSpin` as `python -I -S _idle_spinner.py WAKE_FD STATE_
 nothing but the standard library and shares no GIL with the server. It spins while the deadline in
 the shared state is ahead of the clock, then marks itself asleep and blocks on the wake pipe until
 the server writes to it. It exits when the server closes the pipe (or dies: the kernel closes it);
-it runs in a session of its own, so a terminal's Ctrl-C reaches only the server.
+it ignores SIGINT, so that a terminal's Ctrl-C, which reaches the server's whole process group,
+ends it only through the server.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import signal
 import struct
 import sys
 import time
@@ -23,7 +25,8 @@ DEADLINE = struct.Struct("=d")
 ASLEEP_AT = DEADLINE.size
 
 
-def _lower_priority(cpu: int) -> None:
+def _quiet_and_low(cpu: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # not one of this process's CPUs any more: spin where the kernel puts it
         os.sched_setaffinity(0, {cpu})
     try:
@@ -34,7 +37,7 @@ def _lower_priority(cpu: int) -> None:
 
 def main(argv: list[str]) -> int:
     wake_fd, state_fd, cpu = (int(a) for a in argv[1:4])
-    _lower_priority(cpu)
+    _quiet_and_low(cpu)
     state = mmap.mmap(state_fd, STATE.size)
     os.close(state_fd)
     deadline = DEADLINE.unpack_from
