@@ -31,7 +31,11 @@ from collections.abc import Callable
 SOLO_MACS = 64_000_000
 STREAK = 32  # quiet requests in a row before the loop computes
 PRESSED = 2  # busy gaps in a row before it stops
-IDLE_SHARE = 0.25  # a gap in which the loop idled less than this share of the time is busy
+# A gap in which the loop idled less than this share of the time is busy. With idle spin (idle_spin.py)
+# no wake-up waits for a halted vCPU, and a W1 client at concurrency 1 leaves the loop idle for only
+# ~20-30% of the gap: a quarter made solo stop for 28% of its requests (p50 +30-50 µs); at concurrency
+# 2 the loop idles for almost none of it (BENCHMARKS.md, thirteenth pass).
+IDLE_SHARE = 0.1
 
 
 class SoloPolicy:
