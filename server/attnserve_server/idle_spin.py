@@ -7,17 +7,18 @@ inline peer server does not pay this: its OpenMP partner spins for milliseconds 
 pass (libgomp's default), at normal priority, which keeps a core awake and takes it from any other
 work. attnserve's own OpenMP threads spin briefly (openmp.py) for that reason.
 
-Instead, for `window_s` after each request admitted to a quiet server, one spinner process per CPU (up to
-MAX_SPINNERS) busy-waits at SCHED_IDLE priority: the kernel runs it only when that CPU has nothing
-else to do, and any thread that wakes there takes the CPU at once, from a running vCPU rather
-than a halted one. A quiet server's spinners sleep, so an idle server costs nothing; a server at
-concurrency 1 spends its idle CPU on them. W1 at concurrency 1: p50 -20% (BENCHMARKS.md, thirteenth
+Instead, once QUIET_STREAK requests in a row have found the model quiet, for `window_s` after each
+request one spinner process per CPU (up to MAX_SPINNERS) busy-waits at SCHED_IDLE priority: the
+kernel runs it only when that CPU has nothing else to do, and any thread that wakes there takes the
+CPU at once, from a running vCPU rather than a halted one. An idle server's spinners sleep on a pipe,
+so they cost nothing; a loaded server never wakes them; a server at concurrency 1 spends its idle
+CPU on them. W1 at concurrency 1: p50 -18% (BENCHMARKS.md, thirteenth
 pass). The spinners are processes, not threads, so they share no GIL with the server.
 
 The CPU they use is idle time, but it is counted: to the container's CPU usage, and under a CPU
 quota (a Kubernetes CPU limit, cgroup cpu.max) against the quota, where it would throttle the
-server's own threads. So `auto` turns the spinners off where a quota allows fewer CPUs than the
-process may run on, and where there is one CPU.
+server's own threads. So the spinners stay off where a quota allows fewer CPUs than the process may
+run on, and where there is one CPU.
 """
 
 from __future__ import annotations
