@@ -250,6 +250,9 @@ class ModelMetrics:
             self._batch_padding = metrics.batch_padding.labels(model)
             self._tokens = metrics.tokens.labels(model)
             self._solo_batches = metrics.solo_batches.labels(model)
+        # Children by device and by (device, threads), bound on a batch's first report from them.
+        self._compute_duration: dict[str, Any] = {}
+        self._cpu_batches: dict[tuple[str, int], Any] = {}
         self.stats = InferenceStats()
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
         self.inflight = 0
@@ -278,13 +281,21 @@ class ModelMetrics:
 
     # worker reports
     def batch_computed(self, device: str, report: BatchReport) -> None:
-        self._metrics.compute_duration.labels(self.model, device).observe(report.compute_s)
+        duration = self._compute_duration.get(device)
+        if duration is None:
+            duration = self._compute_duration[device] = self._metrics.compute_duration.labels(self.model, device)
+        duration.observe(report.compute_s)
         self._batch_sequences.observe(report.sequences)
         self._batch_tokens.observe(report.tokens)
         self._batch_padding.observe(report.padding_fraction)
         self._tokens.inc(report.tokens)
         if report.threads:
-            self._metrics.cpu_batches.labels(self.model, device, str(report.threads)).inc()
+            key = (device, report.threads)
+            counter = self._cpu_batches.get(key)
+            if counter is None:
+                counter = self._metrics.cpu_batches.labels(self.model, device, str(report.threads))
+                self._cpu_batches[key] = counter
+            counter.inc()
         stats = self.stats
         stats.compute.add(report, report.requests)
         by_size = stats.by_batch_size.get(report.sequences)
