@@ -118,6 +118,25 @@ def test_a_spinner_runs_at_idle_priority_only_after_a_touch_and_exits_on_close()
 
 
 @needs_linux
+def test_spinners_that_were_killed_turn_idle_spin_off_and_requests_go_on(caplog) -> None:
+    spin = IdleSpin(0.01, [min(os.sched_getaffinity(0))] * 2)
+    spin.start()
+    pids = spin.pids
+    try:
+        # Asleep (their window over), so the next touch writes to the wake pipe, which nobody reads.
+        _until(lambda: all(_stat(p)[0] == "S" for p in pids), "the spinners to sleep")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        _until(lambda: all(_gone(p) for p in pids), "the spinners to die")
+        spin.touch()  # no exception: the request that touches is served
+        assert "idle spin off: its spinners are gone" in caplog.text
+        assert spin.pids == []
+        spin.touch()  # and later requests do nothing
+    finally:
+        spin.close()
+
+
+@needs_linux
 def test_spinners_exit_when_the_server_process_is_killed() -> None:
     code = (
         "import sys; from attnserve_server.idle_spin import IdleSpin\n"
@@ -192,3 +211,16 @@ def test_only_requests_after_a_quiet_streak_make_the_spinners_spin() -> None:
             served.close()
 
     asyncio.run(main())
+
+
+@needs_linux
+def test_spinners_that_cannot_start_leave_the_server_serving_without_them(monkeypatch, caplog) -> None:
+    from attnserve_server import idle_spin
+
+    monkeypatch.setattr(idle_spin.sys, "executable", "/nonexistent/python")
+    spin = IdleSpin(0.01, [0, 1])
+    spin.start()  # logs, raises nothing
+    assert "idle spin off: cannot start its spinners" in caplog.text
+    assert spin.pids == []
+    spin.touch()
+    spin.close()

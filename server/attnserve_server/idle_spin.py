@@ -23,7 +23,6 @@ run on, and where there is one CPU.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -98,8 +97,8 @@ class IdleSpin:
 
     @classmethod
     def from_settings(cls, window_ms: float) -> IdleSpin | None:
-        """The spinners `window_ms` asks for on this machine (0: none), or None, logged, where `auto`'s
-        rules or the platform turn them off."""
+        """The spinners `window_ms` asks for on this machine, or None (logged why): 0, one CPU, a CPU
+        quota below the CPUs (spin_cpus), or a platform without SCHED_IDLE."""
         if window_ms <= 0:
             return None
         if not supported():
@@ -116,8 +115,22 @@ class IdleSpin:
         return [p.pid for p in self._processes]
 
     def start(self) -> None:
+        """Starts the spinners; where they cannot start, logs why and serves without them."""
         if self._processes or not self.cpus:
             return
+        try:
+            self._start()
+        except OSError as exc:
+            log.warning("idle spin off: cannot start its spinners (%s)", exc)
+            return
+        log.info(
+            "idle spin: %d spinner(s) at idle priority keep CPUs %s awake for %g ms after each request",
+            len(self.cpus),
+            ",".join(map(str, self.cpus)),
+            self.window_s * 1e3,
+        )
+
+    def _start(self) -> None:
         state_fd = os.memfd_create("attnserve-idle-spin")
         wake_r, wake_w = os.pipe()
         try:
@@ -138,17 +151,14 @@ class IdleSpin:
         except BaseException:
             os.close(wake_w)
             self._reap()
+            if self._state is not None:
+                self._state.close()
+                self._state = None
             raise
         finally:
             os.close(wake_r)
             os.close(state_fd)
         self._wake_w = wake_w
-        log.info(
-            "idle spin: %d spinner(s) at idle priority keep CPUs %s awake for %g ms after each request",
-            len(self.cpus),
-            ",".join(map(str, self.cpus)),
-            self.window_s * 1e3,
-        )
 
     def touch(self) -> None:
         """A request was admitted: spin until `window_s` from now; wake the spinners that sleep."""
@@ -158,8 +168,13 @@ class IdleSpin:
         self._deadline(state, 0, self._clock() + self.window_s)
         if state[_idle_spinner.ASLEEP_AT]:
             state[_idle_spinner.ASLEEP_AT] = 0
-            with contextlib.suppress(BlockingIOError):  # a full pipe: every spinner has a byte to wake to
+            try:
                 os.write(self._wake_w, self._wake_bytes)  # type: ignore[arg-type]
+            except BlockingIOError:  # a full pipe: every spinner has a byte to wake to
+                pass
+            except OSError as exc:  # no spinner left to read it (killed): serve on without them
+                log.warning("idle spin off: its spinners are gone (%s)", exc)
+                self.close()
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stops the spinners (blocking, briefly): they exit once the wake pipe closes."""
