@@ -168,6 +168,9 @@ class Batcher(Generic[T, R]):
         self._changed = asyncio.Event()  # set whenever the queue or the batches in flight shrink
         self._listeners: list[Callable[[int, int, bool], None]] = []
         self._solo: _Solo[T, R] | None = None
+        self._on_quiet: Callable[[], None] | None = None  # watch_quiet
+        self._quiet_streak = 0
+        self._quiet_in_a_row = 0  # admissions in a row that found the batcher quiet
 
     @property
     def depth(self) -> int:
@@ -188,6 +191,11 @@ class Batcher(Generic[T, R]):
         `policy` says the server is quiet. Only for a single runner whose `run` may be called from
         the loop's thread while that runner is idle: nothing else computes while the loop does."""
         self._solo = _Solo(run, done, eligible, policy or SoloPolicy())
+
+    def watch_quiet(self, listener: Callable[[], None], streak: int) -> None:
+        """Calls `listener()` (on the loop) at each admission once `streak` admissions in a row, this
+        one included, have found the batcher quiet (nothing queued or computing)."""
+        self._on_quiet, self._quiet_streak = listener, streak
 
     # -- admission (on the loop) -----------------------------------------------------------
 
@@ -213,8 +221,13 @@ class Batcher(Generic[T, R]):
         now = time.monotonic()
         expires = math.inf if deadline is None else now + (deadline - loop.time())
         entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
-        solo = self._solo
-        if solo is not None and solo.policy.admit(self.quiet()) and solo.eligible(item) and expires > now:
+        solo, on_quiet = self._solo, self._on_quiet
+        quiet = (solo is not None or on_quiet is not None) and self._quiet()
+        if on_quiet is not None:
+            self._quiet_in_a_row = self._quiet_in_a_row + 1 if quiet else 0
+            if self._quiet_in_a_row >= self._quiet_streak:
+                on_quiet()
+        if solo is not None and solo.policy.admit(quiet) and solo.eligible(item) and expires > now:
             return self._run_solo(solo, entry)
         with self._cond:
             refused = self._refusal(nbytes)
@@ -239,7 +252,7 @@ class Batcher(Generic[T, R]):
             if timer is not None:
                 timer.cancel()
 
-    def quiet(self) -> bool:
+    def _quiet(self) -> bool:
         """Nothing queued, no batch computing, and nothing that refuses new items."""
         with self._cond:
             return not (self._depth or self._in_flight or self._closing or self._broken)

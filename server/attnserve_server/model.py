@@ -88,9 +88,9 @@ class ServedModel:
     ) -> None:
         self._tracing = tracing
         self._solo_macs = solo_macs
-        # Told of each request that comes after QUIET_STREAK in a row found the model quiet (idle_spin.py).
+        # Told of each request admitted once QUIET_STREAK in a row have found the model quiet (idle_spin.py):
+        # only a quiet server's spinners spin, since under load they cost more than the wake-ups they spare.
         self._on_quiet = on_quiet
-        self._quiet_in_a_row = 0
         self.settings = settings
         # Devices are resolved now: the dtype may depend on them, and a GPU asked for and missing
         # stops the server before anything starts.
@@ -134,6 +134,8 @@ class ServedModel:
         self._batcher = Batcher(self.limits, self.metrics)
         self._batcher.start()
         self._allow_solo(self._batcher)
+        if self._on_quiet is not None:
+            self._batcher.watch_quiet(self._on_quiet, QUIET_STREAK)
         # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
         # is free: a CUDA worker takes its next batch while its last one computes.
         for w in self._workers:
@@ -208,11 +210,6 @@ class ServedModel:
         timer for it, needed only where the call does not enforce it (KServe's `timeout` parameter)."""
         if self._batcher is None or not self.ready:
             raise self._unready()
-        if self._on_quiet is not None:
-            # Only a quiet server's spinners spin: under load they cost more than the wake-ups they spare.
-            self._quiet_in_a_row = self._quiet_in_a_row + 1 if self._batcher.quiet() else 0
-            if self._quiet_in_a_row >= QUIET_STREAK:
-                self._on_quiet()
         return await self._batcher.submit(
             request,
             sequences=request.sequences,
