@@ -73,20 +73,47 @@ def test_off_on_one_cpu_and_under_a_quota_below_the_cpus() -> None:
 
 
 def test_cpu_quota_reads_cgroup_v2_and_v1(tmp_path: Path) -> None:
-    assert cpu_quota(tmp_path) is None  # neither file
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert cpu_quota(tmp_path) is None
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert cpu_quota(tmp_path) == 1.5
-    v1 = tmp_path / "v1"
-    (v1 / "cpu").mkdir(parents=True)
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert cpu_quota(v1) is None
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
-    assert cpu_quota(v1) == 2.0
-    (tmp_path / "cpu.max").write_text("garbage\n")
-    assert cpu_quota(tmp_path) is None
+    at_root = tmp_path / "self-root"
+    at_root.write_text("0::/\n1:cpu,cpuacct:/\n")
+    root = tmp_path / "cg"
+    root.mkdir()
+    assert cpu_quota(root, at_root) is None  # neither file
+    (root / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(root, at_root) is None
+    (root / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(root, at_root) == 1.5
+    (root / "cpu.max").write_text("garbage\n")
+    assert cpu_quota(root, at_root) is None
+    (root / "cpu.max").unlink()
+    v1 = root / "cpu"
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(root, at_root) is None
+    (v1 / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cpu_quota(root, at_root) == 2.0
+
+
+def test_cpu_quota_is_the_tightest_on_the_process_cgroup_and_its_ancestors(tmp_path: Path) -> None:
+    # Outside a container, as a systemd service: the quota sits on the service's own cgroup.
+    self_cgroup = tmp_path / "self"
+    self_cgroup.write_text("0::/system.slice/attnserve.service\n")
+    root = tmp_path / "cg"
+    service = root / "system.slice" / "attnserve.service"
+    service.mkdir(parents=True)
+    (root / "cpu.max").write_text("max 100000\n")
+    (service / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(root, self_cgroup) is None
+    (service / "cpu.max").write_text("50000 100000\n")
+    assert cpu_quota(root, self_cgroup) == 0.5
+    (service / "cpu.max").write_text("max 100000\n")
+    (root / "system.slice" / "cpu.max").write_text("300000 100000\n")  # a parent's limit counts too
+    assert cpu_quota(root, self_cgroup) == 3.0
+    (service / "cpu.max").write_text("100000 100000\n")
+    assert cpu_quota(root, self_cgroup) == 1.0  # the tightest
+    self_cgroup.write_text("not a cgroup line\n0::/system.slice/attnserve.service\n")
+    assert cpu_quota(root, self_cgroup) == 1.0  # a line it cannot read is skipped
+    assert cpu_quota(root, tmp_path / "missing") is None  # no /proc/self/cgroup: the root only, no quota there
 
 
 def test_zero_turns_it_off() -> None:
@@ -164,6 +191,8 @@ def test_a_server_spins_after_requests_and_its_spinners_stop_with_it() -> None:
         pids = spin.pids
         assert len(pids) == len(spin.cpus)
         _until(lambda: all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids), "idle priority")
+        # Asleep on the pipe, their start-up done: from here on only spinning uses CPU.
+        _until(lambda: all(_stat(p)[0] == "S" for p in pids), "the spinners to sleep")
         with Client(r.target) as client:
             ticks = sum(_stat(p)[1] for p in pids)
 

@@ -48,21 +48,64 @@ MAX_SPINNERS = 8
 _SCRIPT = Path(_idle_spinner.__file__)
 
 
-def cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """CPUs' worth of time the process's cgroup may use (cgroup v2 cpu.max, else v1), None: no quota."""
+def _cgroup_paths(self_cgroup: Path) -> dict[str, str]:
+    """This process's cgroup path by controller ("" for the v2 hierarchy), from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
     try:
-        text = (root / "cpu.max").read_text().split()
-        if text and text[0] != "max":
-            return int(text[0]) / int(text[1])
-        return None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths
+
+
+def _ancestry(root: Path, path: str) -> list[Path]:
+    """The cgroup directory for `path` under `root` and each of its parents up to `root`."""
+    here = root.joinpath(*[p for p in path.split("/") if p])
+    out = [here]
+    while here != root:
+        here = here.parent
+        out.append(here)
+    return out
+
+
+def _quota_v2(directory: Path) -> float | None:
+    text = (directory / "cpu.max").read_text().split()
+    return None if text[0] == "max" else int(text[0]) / int(text[1])
+
+
+def _quota_v1(directory: Path) -> float | None:
+    quota = int((directory / "cpu.cfs_quota_us").read_text())
+    period = int((directory / "cpu.cfs_period_us").read_text())
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs' worth of time this process may use: the tightest CPU quota (cgroup v2 cpu.max, else v1's
+    cfs quota) on its cgroup or any ancestor, None where there is none. In a container the
+    process's cgroup is the mount's root; under systemd it is the service's."""
+    paths = _cgroup_paths(self_cgroup)
+    hierarchies = [(root, paths.get("", "/"), _quota_v2), (root / "cpu", paths.get("cpu", "/"), _quota_v1)]
+    for base, path, read in hierarchies:
+        quotas: list[float] = []
+        found = False
+        for directory in _ancestry(base, path):
+            try:
+                quota = read(directory)
+            except (OSError, ValueError, IndexError):
+                continue
+            found = True
+            if quota is not None:
+                quotas.append(quota)
+        if found:
+            return min(quotas) if quotas else None
+    return None
 
 
 def spin_cpus(allowed: set[int], quota: float | None) -> tuple[list[int], str]:
