@@ -162,8 +162,8 @@ class Answer:
     The only object made per request on the way back; `batch` is shared by the batch's answers.
     """
 
-    output: bytes  # [B, L, E_out]
+    output: bytes | memoryview  # [B, L, E_out]; a byte view of the batch's output on the CPU
     output_shape: tuple[int, ...]
-    weights: bytes | None  # [B, H, L, S], or [B, L, S] averaged
+    weights: bytes | memoryview | None  # [B, H, L, S], or [B, L, S] averaged
     weights_shape: tuple[int, ...] | None
     batch: BatchReport

@@ -5,7 +5,8 @@ none for a lone request), and viewed as a tensor. On CUDA every input of the bat
 (query, key, value, key mask) is written into one page-locked slab and crosses to the device in a
 single host-to-device copy; the kernels read views of it.
 Out: the output (and weights) come back to the host once, and each request's answer is one slice
-of it as bytes.
+of it: a view of the batch's memory on the CPU (its response's framing copies it once), bytes of
+its own where the batch's memory is reused (CUDA's pinned slab).
 
 Inputs are packed with memoryview slice assignment: a memcpy that keeps the GIL. The worker thread
 shares the GIL with the event loop, and giving it up for longer than a moment lets a busy loop take
@@ -28,11 +29,12 @@ from attnserve_server.domain import AttentionRequest, HostTensor
 
 _ALIGN = 256  # bytes: each region of the slab starts aligned for vectorised kernels
 
-# torch.from_numpy warns, once per process, that an array over message bytes is read-only. The
-# kernels never write to their inputs, so spend that warning here.
+# torch.from_numpy and torch.frombuffer warn, once per process each, that an array or buffer over
+# message bytes is read-only. The kernels never write to their inputs, so spend those warnings here.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.from_numpy(np.frombuffer(b"\0\0\0\0", dtype=np.float32))
+    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
 
 
 @functools.cache
@@ -136,11 +138,10 @@ class Stager:
     def _cpu(self, parts: Sequence[HostTensor], length: int) -> torch.Tensor:
         n = sum(p.shape[0] for p in parts)
         width = parts[0].shape[2]
-        if len(parts) == 1 and parts[0].shape[1] == length:
-            data = np.frombuffer(parts[0].data, dtype=self._storage)  # no copy
-        else:
-            data = np.empty(n * length * width, dtype=self._storage)
-            pack(memoryview(data).cast("B"), parts, length, self._storage.itemsize)
+        if len(parts) == 1 and parts[0].shape[1] == length and n * length * width:  # (frombuffer: not empty)
+            return torch.frombuffer(parts[0].data, dtype=self.dtype).view(n, length, width)  # no copy
+        data = np.empty(n * length * width, dtype=self._storage)
+        pack(memoryview(data).cast("B"), parts, length, self._storage.itemsize)
         t = torch.from_numpy(data.reshape(n, length, width))
         return t if t.dtype == self.dtype else t.view(self.dtype)
 
@@ -178,20 +179,29 @@ class Stager:
         return tensors, dev_mask
 
 
-def split(batch: np.ndarray, requests: Sequence[AttentionRequest], key_axis: bool) -> list[bytes]:
-    """Each request's rows of a batch output as bytes, cut to its own query (and key) length.
+def split(
+    batch: np.ndarray, requests: Sequence[AttentionRequest], key_axis: bool, views: bool = False
+) -> list[bytes | memoryview]:
+    """Each request's rows of a batch output, cut to its own query (and key) length.
 
-    batch is [N, ..., L, W] (output) or [N, ..., L, S] (weights, key_axis=True). One copy per request.
+    batch is [N, ..., L, W] (output) or [N, ..., L, S] (weights, key_axis=True). A request's rows are
+    copied into bytes of their own, unless `views` (the batch's memory is not reused: a CPU output)
+    and they are contiguous already, a request not cut shorter than the batch: then its answer is a
+    byte view of the batch, and the response's framing makes the one copy (edge/framing.py).
     """
-    out = []
+    out: list[bytes | memoryview] = []
     offset = 0
     length = batch.shape[-2]
+    width = batch.shape[-1]
+    contiguous = views and batch.flags.c_contiguous
     for r in requests:
         rows = batch[offset : offset + r.sequences]
-        if r.query_len < length:
-            rows = rows[..., : r.query_len, :]
-        if key_axis and r.key_len < batch.shape[-1]:
-            rows = rows[..., : r.key_len]
-        out.append(rows.tobytes())
+        cut = r.query_len < length or (key_axis and r.key_len < width)
+        if cut:
+            if r.query_len < length:
+                rows = rows[..., : r.query_len, :]
+            if key_axis and r.key_len < width:
+                rows = rows[..., : r.key_len]
+        out.append(memoryview(rows).cast("B") if contiguous and not cut else rows.tobytes())
         offset += r.sequences
     return out
