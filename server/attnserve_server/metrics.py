@@ -14,7 +14,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+from prometheus_client import CollectorRegistry, Gauge, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -50,10 +50,11 @@ DROP_REASONS = ("queue_full", "deadline_exceeded", "cancelled", "shutting_down")
 class Metrics:
     """Every metric attnserve exports. Label values: model names from config, never from requests.
 
-    The series a request touches (requests, latency, queue wait, in-flight, queue depth) are plain
-    integers updated on the event loop and exported by `_RequestPathCollector` at scrape time: a
-    prometheus_client update takes a lock, and a request made eight of them. Per-batch series stay
-    prometheus_client objects.
+    The series a request or a batch touches are plain numbers updated on the event loop and exported
+    at scrape time, the request path's by `_RequestPathCollector`, the batches' by `_BatchCollector`: a
+    prometheus_client update takes a lock, a request made eight of them and a batch seven more, and
+    on a lone request's cache-cold CPU the batch's cost 20-25 µs (BENCHMARKS.md, fourteenth pass).
+    Only the series set once (queue capacity, model info) are prometheus_client objects.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -61,65 +62,7 @@ class Metrics:
         self._models: list[ModelMetrics] = []
         self._remote: list[Callable[[], list[RequestPathSnapshot]]] = []
         registry.register(_RequestPathCollector(self._models, self._remote))
-        self.compute_duration = Histogram(
-            "attnserve_compute_duration_seconds",
-            "Time a device worker spent on one batch, copies included.",
-            ["model", "device"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.batch_requests = Histogram(
-            "attnserve_batch_requests",
-            "Requests per batch.",
-            ["model"],
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=registry,
-        )
-        self.batch_sequences = Histogram(
-            "attnserve_batch_sequences",
-            "Sequences per batch.",
-            ["model"],
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=registry,
-        )
-        self.batch_tokens = Histogram(
-            "attnserve_batch_tokens",
-            "Query tokens per batch, before padding.",
-            ["model"],
-            buckets=BATCH_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.batch_padding = Histogram(
-            "attnserve_batch_padding_ratio",
-            "Share of a batch's query and key positions that are padding.",
-            ["model"],
-            buckets=RATIO_BUCKETS,
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "attnserve_tokens",
-            "Query tokens computed.",
-            ["model"],
-            registry=registry,
-        )
-        self.batch_failures = Counter(
-            "attnserve_batch_failures",
-            "Batches that raised on their device worker.",
-            ["model", "device"],
-            registry=registry,
-        )
-        self.cpu_batches = Counter(
-            "attnserve_cpu_batches",
-            "CPU batches computed, by the intra-op threads each ran on (compute/threads.py chooses).",
-            ["model", "device", "threads"],
-            registry=registry,
-        )
-        self.solo_batches = Counter(
-            "attnserve_solo_batches",
-            "Lone requests computed on the event loop while the server was quiet (solo runs), batches of one.",
-            ["model"],
-            registry=registry,
-        )
+        registry.register(_BatchCollector(self._models))
         self.queue_capacity = Gauge(
             "attnserve_queue_capacity",
             "The most requests the model's queue holds (max_queue_size); more are refused.",
@@ -241,18 +184,17 @@ class ModelMetrics:
     def __init__(self, metrics: Metrics, model: str) -> None:
         self._metrics = metrics
         self.model = model
-        # "" is the unknown-model sink (for_unknown_models): it never batches, and a labelled child
-        # is exported from the moment it exists, even at zero, so it gets no batch children.
-        if model:
-            self._batch_requests = metrics.batch_requests.labels(model)
-            self._batch_sequences = metrics.batch_sequences.labels(model)
-            self._batch_tokens = metrics.batch_tokens.labels(model)
-            self._batch_padding = metrics.batch_padding.labels(model)
-            self._tokens = metrics.tokens.labels(model)
-            self._solo_batches = metrics.solo_batches.labels(model)
-        # Children by device and by (device, threads), bound on a batch's first report from them.
-        self._compute_duration: dict[str, Any] = {}
-        self._cpu_batches: dict[tuple[str, int], Any] = {}
+        # The batch series, exported for named models only: "" is the unknown-model sink
+        # (for_unknown_models), which never batches. Written on the event loop (see Metrics).
+        self.batch_requests = FastHistogram(BATCH_SIZE_BUCKETS)
+        self.batch_sequences = FastHistogram(BATCH_SIZE_BUCKETS)
+        self.batch_tokens = FastHistogram(BATCH_TOKEN_BUCKETS)
+        self.batch_padding = FastHistogram(RATIO_BUCKETS)
+        self.tokens = 0
+        self.solo_batches = 0
+        self.compute_duration: dict[str, FastHistogram] = {}  # device -> seconds a batch
+        self.cpu_batches: dict[tuple[str, int], int] = {}  # (device, intra-op threads) -> batches
+        self.batch_failures: dict[str, int] = {}  # device -> batches that raised
         self.stats = InferenceStats()
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
         self.inflight = 0
@@ -274,28 +216,24 @@ class ModelMetrics:
         self.drops[reason] += 1
 
     def batch_started(self, requests: int, queue_waits_s: list[float]) -> None:
-        self._batch_requests.observe(requests)
+        self.batch_requests.observe(requests)
         for wait in queue_waits_s:
             self.queue_wait.observe(wait)
             self.stats.queue.add(wait)
 
     # worker reports
     def batch_computed(self, device: str, report: BatchReport) -> None:
-        duration = self._compute_duration.get(device)
+        duration = self.compute_duration.get(device)
         if duration is None:
-            duration = self._compute_duration[device] = self._metrics.compute_duration.labels(self.model, device)
+            duration = self.compute_duration[device] = FastHistogram(LATENCY_BUCKETS_S)
         duration.observe(report.compute_s)
-        self._batch_sequences.observe(report.sequences)
-        self._batch_tokens.observe(report.tokens)
-        self._batch_padding.observe(report.padding_fraction)
-        self._tokens.inc(report.tokens)
+        self.batch_sequences.observe(report.sequences)
+        self.batch_tokens.observe(report.tokens)
+        self.batch_padding.observe(report.padding_fraction)
+        self.tokens += report.tokens
         if report.threads:
             key = (device, report.threads)
-            counter = self._cpu_batches.get(key)
-            if counter is None:
-                counter = self._metrics.cpu_batches.labels(self.model, device, str(report.threads))
-                self._cpu_batches[key] = counter
-            counter.inc()
+            self.cpu_batches[key] = self.cpu_batches.get(key, 0) + 1
         stats = self.stats
         stats.compute.add(report, report.requests)
         by_size = stats.by_batch_size.get(report.sequences)
@@ -307,10 +245,10 @@ class ModelMetrics:
         stats.last_inference_ms = int(time.time() * 1e3)
 
     def solo_ran(self) -> None:
-        self._solo_batches.inc()
+        self.solo_batches += 1
 
     def batch_failed(self, device: str) -> None:
-        self._metrics.batch_failures.labels(self.model, device).inc()
+        self.batch_failures[device] = self.batch_failures.get(device, 0) + 1
 
     def request_started(self) -> None:
         self.inflight += 1
@@ -468,6 +406,66 @@ class _RequestPathCollector(Collector):
                     dropped.add_metric([m.model, reason], n)
             inflight.add_metric([m.model], m.inflight)
         yield from (requests, duration, queue_wait, depth, inflight, dropped)
+
+
+def _histogram(h: FastHistogram) -> tuple[list[tuple[str, int]], float]:
+    """A FastHistogram as HistogramMetricFamily.add_metric takes it: cumulative buckets, and the sum."""
+    return _cumulative(h.bounds, list(h.counts)), h.sum
+
+
+class _BatchCollector(Collector):
+    """Exports every served model's batch series (ModelMetrics' plain numbers) at scrape time. They are
+    counted where batches run, the engine, so no edge process has any to send."""
+
+    def __init__(self, models: list[ModelMetrics]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Any]:
+        compute = HistogramMetricFamily(
+            "attnserve_compute_duration_seconds", "Time a device worker spent on one batch, copies included.",
+            labels=["model", "device"],
+        )  # fmt: skip
+        requests = HistogramMetricFamily("attnserve_batch_requests", "Requests per batch.", labels=["model"])
+        sequences = HistogramMetricFamily("attnserve_batch_sequences", "Sequences per batch.", labels=["model"])
+        tokens_per_batch = HistogramMetricFamily(
+            "attnserve_batch_tokens", "Query tokens per batch, before padding.", labels=["model"]
+        )
+        padding = HistogramMetricFamily(
+            "attnserve_batch_padding_ratio", "Share of a batch's query and key positions that are padding.",
+            labels=["model"],
+        )  # fmt: skip
+        tokens = CounterMetricFamily("attnserve_tokens", "Query tokens computed.", labels=["model"])
+        failures = CounterMetricFamily(
+            "attnserve_batch_failures", "Batches that raised on their device worker.", labels=["model", "device"]
+        )
+        cpu = CounterMetricFamily(
+            "attnserve_cpu_batches",
+            "CPU batches computed, by the intra-op threads each ran on (compute/threads.py chooses).",
+            labels=["model", "device", "threads"],
+        )
+        solo = CounterMetricFamily(
+            "attnserve_solo_batches",
+            "Lone requests computed on the event loop while the server was quiet (solo runs), batches of one.",
+            labels=["model"],
+        )
+        for m in list(self._models):
+            if not m.model:  # the unknown-model sink: no batches
+                continue
+            name = [m.model]
+            requests.add_metric(name, *_histogram(m.batch_requests))
+            sequences.add_metric(name, *_histogram(m.batch_sequences))
+            tokens_per_batch.add_metric(name, *_histogram(m.batch_tokens))
+            padding.add_metric(name, *_histogram(m.batch_padding))
+            tokens.add_metric(name, m.tokens)
+            solo.add_metric(name, m.solo_batches)
+            # list(): a first batch on another device may add a key on the loop meanwhile
+            for device, h in list(m.compute_duration.items()):
+                compute.add_metric([m.model, device], *_histogram(h))
+            for (device, threads), n in list(m.cpu_batches.items()):
+                cpu.add_metric([m.model, device, str(threads)], n)
+            for device, n in list(m.batch_failures.items()):
+                failures.add_metric([m.model, device], n)
+        yield from (compute, requests, sequences, tokens_per_batch, padding, tokens, failures, cpu, solo)
 
 
 class _CudaMemoryCollector(Collector):
