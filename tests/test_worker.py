@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
-from attnserve_server.compute.staging import Stager, host_tensor, pack
+from attnserve_server.compute.staging import Stager, host_tensor, pack, split
 from attnserve_server.compute.threads import FIRST_SAMPLES, PROBE_BUDGET, PROBE_EVERY, SMALL_BATCH_MACS, CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -71,6 +71,41 @@ def test_staging_pads_every_input_and_carries_the_mask(one_slab: bool) -> None:
         assert torch.equal(query, expected_q) and torch.equal(key, expected_k)
         assert staged_mask is not None and np.array_equal(staged_mask.numpy(), mask)
         queries = [q + 1 for q in queries]
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["fresh output (cpu)", "reused slab (cuda)"])
+def test_split_cuts_each_answer_and_views_only_memory_that_is_not_reused(views: bool) -> None:
+    batch = np.arange(4 * 5 * 3, dtype=np.float32).reshape(4, 5, 3)
+    # Two sequences of the full length, one cut to 2 of the batch's 5 positions, one of the full length.
+    requests = [
+        request(np.zeros((2, 5, 3), np.float32)),
+        request(np.zeros((1, 2, 3), np.float32)),
+        request(np.zeros((1, 5, 3), np.float32)),
+    ]
+    parts = split(batch, requests, key_axis=False, views=views)
+    expected = [batch[0:2], batch[2:3, :2], batch[3:4]]
+    for part, rows in zip(parts, expected, strict=True):
+        assert bytes(part) == rows.tobytes()
+    kinds = [type(p) for p in parts]
+    # A view of a reused buffer would change under the answer when the next batch lands there.
+    assert kinds == ([memoryview, bytes, memoryview] if views else [bytes, bytes, bytes])
+    batch[:] = -1  # what a reused buffer's next batch does: copies keep their bytes
+    for part, rows in zip(parts, expected, strict=True):
+        assert (bytes(part) == rows.tobytes()) == (type(part) is memoryview)
+
+
+def test_a_cpu_worker_computes_without_autograd_and_answers_the_same_twice() -> None:
+    w = worker()
+    try:
+        query = np.random.default_rng(3).standard_normal((1, 4, 16)).astype(np.float32)
+        first, second = w.run([request(query)])[0], w.run([request(query)])[0]
+        assert type(first.output) is memoryview  # a view of the batch's own output
+        np.testing.assert_array_equal(output_of(first), output_of(second))
+        assert torch.is_grad_enabled()  # a caller's own thread: off only during the batch
+        w.executor.submit(w.run, [request(query)]).result()
+        assert w.executor.submit(torch.is_grad_enabled).result() is False  # off for good on the worker's
+    finally:
+        w.close()
 
 
 def test_torch_threads_apply_on_the_worker_thread_itself() -> None:

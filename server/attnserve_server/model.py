@@ -182,6 +182,9 @@ class ServedModel:
             self.metrics.solo_ran()
             report(batch, answers, error)
 
+        # The loop's thread computes solo runs, and nothing on it needs autograd: off for good there
+        # (thread-local), so that each run need not turn it off and on again (compute/worker.py).
+        torch.set_grad_enabled(False)
         batcher.allow_solo(workers[0].run, done, eligible)
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:

@@ -127,8 +127,9 @@ class DeviceWorker:
                 lane.graphs = GraphedAttention(self._compute, device, self.dtype, spec.max_batch_size, capture_lock)
 
     def _start_thread(self) -> None:
-        """Each executor thread takes a lane of its own for good."""
+        """Each executor thread takes a lane of its own for good, and computes without autograd."""
         self._local.lane = self._free_lanes.pop()
+        torch.set_grad_enabled(False)  # thread-local: see `run`
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
@@ -164,6 +165,21 @@ class DeviceWorker:
         """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it).
 
         On the CPU a batch of mixed lengths runs as groups of similar length (compute/groups.py)."""
+        # Nothing here needs autograd (no weight or input requires grad). The worker's threads run with
+        # it off for good, as does the event loop's once it may compute solo runs (model.py); any other
+        # caller's thread only during the batch. Cheaper than an inference_mode context per batch,
+        # whose entry and exit took ~20 µs of a lone request on a cache-cold CPU (BENCHMARKS.md,
+        # fourteenth pass).
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch.set_grad_enabled(False)
+        try:
+            return self._run(requests)
+        finally:
+            if grad:
+                torch.set_grad_enabled(True)
+
+    def _run(self, requests: list[AttentionRequest]) -> list[Answer]:
         start = time.perf_counter()
         # A call from outside the executor (the event loop's solo runs while the lane's thread is idle,
         # tests, the in-process benchmark) runs on the first lane.
@@ -242,11 +258,6 @@ class DeviceWorker:
         timer = _CudaPhases(lane.stream) if lane.stream is not None else None
         first = requests[0]
         n, length, s = shape
-        if torch.is_grad_enabled():
-            # Thread-local, and for good: nothing the server computes needs autograd (no weight or
-            # input requires grad). Cheaper than an inference_mode context per batch, whose entry and
-            # exit took ~20 µs of a lone request's time on a cache-cold CPU (BENCHMARKS.md, 14th pass).
-            torch.set_grad_enabled(False)
         stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with stream:
             # 1. stage inputs, padded to the longest query and key
