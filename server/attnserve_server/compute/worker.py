@@ -196,13 +196,13 @@ class DeviceWorker:
         outputs: list[bytes | memoryview] = []
         weights: list[bytes | memoryview] | None = None
         heads: tuple[int, ...] = ()
+        # On the CPU the output is a tensor of this batch's own, so answers may be views of it; on
+        # CUDA it lies in the lane's pinned slab, which the next batch overwrites: answers copy out.
+        fresh = lane.out is None
         for group, shape in zip(groups, shapes, strict=True):
             out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
             staged_s += stage_s
             computed_s += compute_s
-            # On the CPU the output is a tensor of this batch's own, so answers may be views of it; on
-            # CUDA it lies in the lane's pinned slab, which the next batch overwrites: answers copy out.
-            fresh = lane.out is None
             outputs += split(out_host, group, key_axis=False, views=fresh)
             if weights_host is not None:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
