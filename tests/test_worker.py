@@ -293,6 +293,56 @@ def test_one_slow_first_batch_does_not_decide_the_thread_count() -> None:
     assert chooser.preferred() == 2 and picked[2 * FIRST_SAMPLES :].count(1) == 0
 
 
+def test_a_first_batch_far_slower_than_the_rest_does_not_decide_the_thread_count() -> None:
+    """A cold first batch on two threads, ten times its usual time: a mean of the first three would put
+    two threads above one (0.020 against 0.010) and keep the worker on one thread."""
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+    two = iter([0.050] + [0.005] * 100)
+    picked = []
+    for _ in range(40):
+        threads, _measured = chooser.pick(MEASURED, 12)
+        chooser.record(threads, MEASURED, next(two) if threads == 2 else 0.010)
+        picked.append(threads)
+    assert chooser.preferred() == 2 and picked[2 * FIRST_SAMPLES :].count(1) == 0
+
+
+def test_two_slow_batches_do_not_switch_the_thread_count_but_a_lasting_change_does() -> None:
+    """WL under load (fifteenth pass): two threads 10.7 ms per G multiply-adds against one's 16.5, then two
+    batches on two at three times that (a noisy neighbour)."""
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+
+    def run(batches: int, two: float) -> list[int]:
+        picked = []
+        for _ in range(batches):
+            threads, _measured = chooser.pick(MEASURED, 12)
+            chooser.record(threads, MEASURED, two if threads == 2 else 0.0165)
+            picked.append(threads)
+        return picked
+
+    run(2 * FIRST_SAMPLES + 4, 0.0107)
+    assert chooser.preferred() == 2
+    for spike in (0.0328, 0.0253):
+        assert chooser.pick(MEASURED, 12)[0] == 2
+        chooser.record(2, MEASURED, spike)
+    assert chooser.preferred() == 2
+    assert run(8, 0.0107).count(1) == 0
+    # two threads now slower for good: one takes over within a few batches
+    assert run(8, 0.0250)[-3:] == [1, 1, 1]
+
+
+def test_warm_up_batches_do_not_train_the_thread_choice() -> None:
+    """Warm-up runs cold, at other sizes than the requests': the first served batches try each thread
+    count in turn, as on a worker that never warmed up."""
+    w = worker(torch_threads=2, small_batch_macs=1)  # every batch of several requests is measured
+    try:
+        w.executor.submit(w.warmup).result()
+        batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
+        ran = [w.executor.submit(w.run, batch).result()[0].batch.threads for _ in range(2 * FIRST_SAMPLES)]
+        assert ran == [2, 1] * FIRST_SAMPLES
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize(
     ("rule", "most", "macs", "requests", "expected"),
     [

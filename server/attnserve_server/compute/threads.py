@@ -31,6 +31,7 @@ measures at least `min_speedup` times faster than one.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 # Below this many multiply-adds one thread is faster even with the machine to itself (L=1: 607 ->
@@ -53,10 +54,17 @@ WEIGHT = 0.25
 # against 386-424 ms with no probes; BENCHMARKS.md, twelfth pass). So there every ~90 batches, and
 # still every 32 where the two are close (W1 under load).
 PROBE_BUDGET = 0.01
-# Each choice is tried this many times, in turn, before either is trusted, and those batches count as
-# a plain mean: with one sample each, WL once stayed on one thread for a whole 6 s run (51.7 against
-# ~80 req/s), most likely after one slow first batch on two (a ramp-up, a noisy neighbour; twelfth pass).
+# Each choice is tried this many times, in turn, before either is trusted, and its estimate starts
+# from the median of those batches: with one sample each, WL once stayed on one thread for a whole 6 s
+# run (51.7 against ~80 req/s; twelfth pass). A plain mean of three did it too: a first batch on two
+# threads at 3-5x its usual cost (cold) put their mean above one thread's, and WL served ~52 req/s on
+# one thread for the next 20-40 s (fifteenth pass). A median ignores one such batch.
 FIRST_SAMPLES = 3
+# After those, a batch moves its choice's mean as if it took at most this factor more (or less) than
+# the mean. Two WL batches on two threads at 3x their usual time (a noisy neighbour) otherwise lifted
+# their mean over one thread's, and the worker then ran ~30% slower on one thread until probes brought
+# it back, 32 batches (10 s) each (fifteenth pass). A lasting change still shows within a few batches.
+SPIKE = 1.5
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,8 @@ class ThreadChooser:
     threads are used while their mean is at least `min_speedup` times lower than one thread's. Every
     PROBE_EVERY-th measured batch runs on the other choice, so a change in load (the loop getting
     busier, other work on the host) shows within a few hundred batches; where the other choice is much
-    slower, less often (PROBE_BUDGET). At first the two are tried in turn, FIRST_SAMPLES times each.
+    slower, less often (PROBE_BUDGET). At first the two are tried in turn, FIRST_SAMPLES times each,
+    and each mean starts from the median of those; later batches move it by at most a SPIKE factor each.
     Not thread-safe: one per worker thread.
     """
 
@@ -103,6 +112,7 @@ class ThreadChooser:
         self._measure = most > 1 and rule.small_batch_macs > 0 and rule.min_speedup > 0
         self._cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
         self._samples = {most: 0, 1: 0}  # threads -> batches learned from
+        self._first: dict[int, list[float]] = {most: [], 1: []}  # threads -> costs of its first batches
         self._since_probe = 0  # measured batches since the other arm last ran
 
     def pick(self, macs: int, requests: int) -> tuple[int, bool]:
@@ -140,8 +150,13 @@ class ThreadChooser:
         if macs <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         cost = seconds / macs
-        n = self._samples[threads] = self._samples.get(threads, 0) + 1
-        previous = self._cost.get(threads)
-        # The plain mean of the first few batches (one slow first batch does not linger), then a moving mean.
-        weight = max(self._weight, 1.0 / n)
-        self._cost[threads] = cost if previous is None else previous + weight * (cost - previous)
+        self._samples[threads] = self._samples.get(threads, 0) + 1
+        first = self._first.setdefault(threads, [])
+        if len(first) < FIRST_SAMPLES:
+            # The median of the first few batches (one slow first batch does not count), then a moving mean.
+            first.append(cost)
+            self._cost[threads] = statistics.median(first)
+            return
+        previous = self._cost[threads]
+        cost = min(max(cost, previous / SPIKE), previous * SPIKE)
+        self._cost[threads] = previous + self._weight * (cost - previous)

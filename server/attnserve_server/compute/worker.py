@@ -336,6 +336,10 @@ class DeviceWorker:
                 # this lane's graphs for every batch bucket at this length
                 for bucket in graphs.buckets():
                     self.run([self.example_request(length) for _ in range(bucket)])
+        # What this thread's chooser timed here misleads it: warm-up batches run cold and at other sizes
+        # than the requests' (one at WL, 3-5x its usual cost on two threads, kept it on one thread for
+        # 20-40 s under load; BENCHMARKS.md, fifteenth pass). The first served batches start it afresh.
+        self._local.__dict__.pop("chooser", None)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
