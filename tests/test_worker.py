@@ -280,29 +280,23 @@ def test_a_large_batch_of_several_requests_runs_on_whichever_thread_count_measur
     assert eased[-4 * interval :].count(1) == 4
 
 
-def test_one_slow_first_batch_does_not_decide_the_thread_count() -> None:
-    """The first batches are a ramp-up: the first on two threads took three times its usual time."""
+@pytest.mark.parametrize(
+    "first",
+    [
+        0.015,  # a ramp-up: three times its usual time
+        0.050,  # cold (a warm-up batch was): ten times; a mean of the first three would put two threads
+        # above one (0.020 against 0.010) and keep the worker on one thread
+    ],
+)
+def test_one_slow_first_batch_does_not_decide_the_thread_count(first: float) -> None:
     chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
-    two = iter([0.015] + [0.005] * 100)
+    two = iter([first] + [0.005] * 100)
     picked = []
     for _ in range(40):
         threads, _measured = chooser.pick(MEASURED, 12)
         chooser.record(threads, MEASURED, next(two) if threads == 2 else 0.010)
         picked.append(threads)
     assert picked[: 2 * FIRST_SAMPLES] == [2, 1] * FIRST_SAMPLES
-    assert chooser.preferred() == 2 and picked[2 * FIRST_SAMPLES :].count(1) == 0
-
-
-def test_a_first_batch_far_slower_than_the_rest_does_not_decide_the_thread_count() -> None:
-    """A cold first batch on two threads, ten times its usual time: a mean of the first three would put
-    two threads above one (0.020 against 0.010) and keep the worker on one thread."""
-    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
-    two = iter([0.050] + [0.005] * 100)
-    picked = []
-    for _ in range(40):
-        threads, _measured = chooser.pick(MEASURED, 12)
-        chooser.record(threads, MEASURED, next(two) if threads == 2 else 0.010)
-        picked.append(threads)
     assert chooser.preferred() == 2 and picked[2 * FIRST_SAMPLES :].count(1) == 0
 
 
