@@ -196,12 +196,11 @@ def split(
     contiguous = views and batch.flags.c_contiguous
     for r in requests:
         rows = batch[offset : offset + r.sequences]
-        cut = r.query_len < length or (key_axis and r.key_len < width)
-        if cut:
-            if r.query_len < length:
-                rows = rows[..., : r.query_len, :]
-            if key_axis and r.key_len < width:
-                rows = rows[..., : r.key_len]
+        cut = False
+        if r.query_len < length:
+            rows, cut = rows[..., : r.query_len, :], True
+        if key_axis and r.key_len < width:
+            rows, cut = rows[..., : r.key_len], True
         out.append(memoryview(rows).cast("B") if contiguous and not cut else rows.tobytes())
         offset += r.sequences
     return out

@@ -111,7 +111,6 @@ class ThreadChooser:
         self._weight = weight
         self._measure = most > 1 and rule.small_batch_macs > 0 and rule.min_speedup > 0
         self._cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
-        self._samples = {most: 0, 1: 0}  # threads -> batches learned from
         self._first: dict[int, list[float]] = {most: [], 1: []}  # threads -> costs of its first batches
         self._since_probe = 0  # measured batches since the other arm last ran
 
@@ -120,8 +119,8 @@ class ThreadChooser:
         threads = self._rule.for_batch(self.most, macs, requests)
         if not self._measure or requests <= 1 or threads != self.most:
             return threads, False
-        fewer = min((self.most, 1), key=self._samples.__getitem__)  # a tie: every thread first
-        if self._samples[fewer] < FIRST_SAMPLES:
+        fewer = min((self.most, 1), key=lambda t: len(self._first[t]))  # a tie: every thread first
+        if len(self._first[fewer]) < FIRST_SAMPLES:
             return fewer, True
         best = self.preferred()
         other = 1 if best == self.most else self.most
@@ -150,8 +149,7 @@ class ThreadChooser:
         if macs <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         cost = seconds / macs
-        self._samples[threads] = self._samples.get(threads, 0) + 1
-        first = self._first.setdefault(threads, [])
+        first = self._first[threads]
         if len(first) < FIRST_SAMPLES:
             # The median of the first few batches (one slow first batch does not count), then a moving mean.
             first.append(cost)
