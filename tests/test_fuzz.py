@@ -18,6 +18,7 @@ from attnserve import Client
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve
 from attnserve_server.edge.convert import request_from_proto
+from attnserve_server.edge.payload import Received
 from attnserve_server.errors import ServingError
 from attnserve_server.model import spec_from_settings
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -106,13 +107,13 @@ def _status_of_decode(decode) -> grpc.StatusCode:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(infer_requests())
 def test_the_kserve_decoder_answers_every_message_with_a_precise_status(msg: v2.ModelInferRequest) -> None:
-    assert _status_of_decode(lambda: kserve.decode(msg, SPEC)) in ALLOWED
+    assert _status_of_decode(lambda: kserve.decode(Received(msg), SPEC)) in ALLOWED
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(attend_requests())
 def test_the_native_decoder_answers_every_message_with_a_precise_status(msg: pb.AttendRequest) -> None:
-    assert _status_of_decode(lambda: request_from_proto(msg, SPEC)) in ALLOWED
+    assert _status_of_decode(lambda: request_from_proto(Received(msg), SPEC)) in ALLOWED
 
 
 def _call(channel: grpc.Channel, method: str, body: bytes) -> grpc.StatusCode:

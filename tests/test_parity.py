@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import tritonclient.grpc as tc
 from safetensors.torch import save_file
 
 from attnserve import Client
+from attnserve_server.edge.payload import LARGE_MESSAGE_BYTES
 from attnserve_server.settings import WeightsSettings
 
 from conftest import TEST_DEVICE, Running, model, running, settings
@@ -153,6 +155,34 @@ def test_cross_attention_with_kdim_and_vdim(parity) -> None:
     y, a = reference(refs["cross"], q, k, v, lengths=[11, 3], need_weights=True)
     close(got.output, y)
     close(got.attention_weights, a)
+
+
+def test_large_requests_are_exact_on_both_apis(parity) -> None:
+    """Over payload.LARGE_MESSAGE_BYTES a request's tensors are read as views of the bytes received
+    (edge/payload.py): three inputs and a small one, in the native Tensor messages and in KServe's
+    raw_input_contents."""
+    handle, refs = parity
+    q, k, v = rand(4, 300, E), rand(4, 280, 24), rand(4, 280, 40)  # 430 KiB in all
+    assert q.nbytes + k.nbytes + v.nbytes >= LARGE_MESSAGE_BYTES
+    lengths = np.array([280, 3, 100, 1], dtype=np.int64)
+    y, _ = reference(refs["cross"], q, k, v, lengths=lengths)
+    with Client(handle.target) as c:
+        close(c.attend(q, key=k, value=v, model="cross", key_lengths=lengths).output, y)
+    inputs = []
+    for name, array, datatype in (
+        ("query", q, "FP32"),
+        ("key", k, "FP32"),
+        ("value", v, "FP32"),
+        ("key_lengths", lengths, "INT64"),
+    ):
+        tensor = tc.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = tc.InferenceServerClient(handle.target)
+    try:
+        close(client.infer("cross", inputs).as_numpy("output"), y)
+    finally:
+        client.close()
 
 
 def test_cross_attention_with_one_key_value_sequence_and_an_unbatched_query(parity) -> None:

@@ -6,6 +6,7 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.framing import Frame
+from attnserve_server.edge.payload import Fields, Received
 from attnserve_server.edge.wire import INPUT_NAMES, WireTensor, build_request
 
 # attnserve.v1 DataType <-> the wire name (DATA_TYPE_FP32 <-> FP32); unknown numbers read as <n>.
@@ -17,13 +18,21 @@ def dtype_name(wire: int) -> str:
     return _NAMES.get(wire, f"<{wire}>")
 
 
-def request_from_proto(msg: pb.AttendRequest, spec: ModelSpec) -> AttentionRequest:
+_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_INPUT_FIELDS = {name: pb.AttendRequest.DESCRIPTOR.fields_by_name[name].number for name in INPUT_NAMES}
+# A request's tensor bytes, for edge/payload.py: each input's Tensor.data.
+TENSOR_FIELDS: Fields = {number: _DATA for number in _INPUT_FIELDS.values()}
+
+
+def request_from_proto(received: Received[pb.AttendRequest], spec: ModelSpec) -> AttentionRequest:
     """Validates a request against its model and returns it as domain values; raises InvalidArgument."""
+    msg, views = received.message, received.views
     tensors = {}
-    for name in INPUT_NAMES:
+    for name, number in _INPUT_FIELDS.items():
         if msg.HasField(name):
             t = getattr(msg, name)
-            tensors[name] = WireTensor(dtype_name(t.dtype), tuple(t.shape), t.data, f"{name}.data")
+            data = views[number][0] if number in views else t.data
+            tensors[name] = WireTensor(dtype_name(t.dtype), tuple(t.shape), data, f"{name}.data")
     return build_request(
         spec, tensors, causal=msg.causal, need_weights=msg.need_weights, average_weights=msg.average_weights
     )
@@ -31,10 +40,9 @@ def request_from_proto(msg: pb.AttendRequest, spec: ModelSpec) -> AttentionReque
 
 _OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
 _WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
-_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 
-def _tensor(dtype: str, shape: tuple[int, ...], data: bytes, unbatched: bool) -> Frame:
+def _tensor(dtype: str, shape: tuple[int, ...], data: bytes | memoryview, unbatched: bool) -> Frame:
     head = pb.Tensor(dtype=_ENUM[dtype], shape=shape[1:] if unbatched else shape).SerializeToString()
     return Frame(head).add_bytes(_DATA, data)
 

@@ -10,6 +10,7 @@ dim is the batch of sequences, as Triton's tools expect.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.framing import Frame
+from attnserve_server.edge.payload import Fields, Received
 from attnserve_server.edge.wire import WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
@@ -128,8 +130,7 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
     return np.asarray(values, dtype=dtypes.BY_NAME[datatype].storage).tobytes()
 
 
-def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], bool]:
-    raw = msg.raw_input_contents
+def _wire_tensors(msg: v2.ModelInferRequest, raw: Sequence[bytes | memoryview]) -> tuple[dict[str, WireTensor], bool]:
     if raw and len(raw) != len(msg.inputs):
         raise InvalidArgument(
             f"raw_input_contents: expected one entry per input ({len(msg.inputs)}), got {len(raw)}; "
@@ -149,7 +150,7 @@ def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], boo
                     f"inputs[{i}].contents: input {clip(name)} has typed contents while the request uses "
                     "raw_input_contents; send every input one way"
                 )
-            data: bytes = raw[i]
+            data: bytes | memoryview = raw[i]
             field = f"raw_input_contents[{i}] (input {clip(name)})"
         else:
             data = _typed_bytes(i, tensor)
@@ -160,8 +161,14 @@ def _wire_tensors(msg: v2.ModelInferRequest) -> tuple[dict[str, WireTensor], boo
     return tensors, bool(msg.inputs) and not raw
 
 
-def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
+RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+# A request's tensor bytes, for edge/payload.py: the entries of raw_input_contents.
+TENSOR_FIELDS: Fields = {RAW_INPUT_CONTENTS: None}
+
+
+def decode(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> Decoded:
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound)."""
+    msg = received.message
     check_version(spec, msg.model_version)
     _check_parameters(msg)
     timeout = _timeout_s(msg)
@@ -173,7 +180,8 @@ def decode(msg: v2.ModelInferRequest, spec: ModelSpec) -> Decoded:
         need_weights = WEIGHTS in outputs
     if not outputs:
         outputs = (OUTPUT, WEIGHTS) if need_weights else (OUTPUT,)
-    tensors, typed = _wire_tensors(msg)
+    raw = received.views.get(RAW_INPUT_CONTENTS) or msg.raw_input_contents
+    tensors, typed = _wire_tensors(msg, raw)
     query = tensors.get("query")
     if query is not None and len(query.shape) != 3:
         raise InvalidArgument(

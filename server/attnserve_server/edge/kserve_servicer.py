@@ -21,6 +21,7 @@ from attnserve_server.edge.dispatch import (
     unary_errors,
 )
 from attnserve_server.edge.framing import Frame
+from attnserve_server.edge.payload import Received
 from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
@@ -38,6 +39,9 @@ def _server_version() -> str:
 
 
 class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
+    # The inference methods get their requests as payload.Received (registration.add_service).
+    TENSOR_FIELDS = {"ModelInfer": kserve.TENSOR_FIELDS, "ModelStreamInfer": kserve.TENSOR_FIELDS}
+
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatch = dispatcher
         self._version = _server_version()
@@ -88,12 +92,15 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
 
-    async def _infer(self, msg: v2.ModelInferRequest, method: str, context) -> v2.ModelInferResponse | Frame:
+    async def _infer(
+        self, received: Received[v2.ModelInferRequest], method: str, context
+    ) -> v2.ModelInferResponse | Frame:
+        msg = received.message
         decoded: kserve.Decoded | None = None
 
         def decode(served: Servable) -> tuple[AttentionRequest, float | None]:
             nonlocal decoded
-            decoded = kserve.decode(msg, served.spec)
+            decoded = kserve.decode(received, served.spec)
             return decoded.request, decoded.timeout_s
 
         def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float):
@@ -111,29 +118,32 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context)
 
     @unary_errors
-    async def ModelInfer(self, request: v2.ModelInferRequest, context) -> v2.ModelInferResponse | Frame:
+    async def ModelInfer(self, request: Received[v2.ModelInferRequest], context) -> v2.ModelInferResponse | Frame:
         return await self._infer(request, "ModelInfer", context)
 
     async def _infer_in_band(
-        self, msg: v2.ModelInferRequest | Undecodable, context
+        self, received: Received[v2.ModelInferRequest] | Undecodable, context
     ) -> v2.ModelStreamInferResponse | Frame:
-        if isinstance(msg, Undecodable):
-            note_undecodable(msg, context.peer(), "ModelStreamInfer")
+        if isinstance(received, Undecodable):
+            note_undecodable(received, context.peer(), "ModelStreamInfer")
             failed = v2.ModelInferResponse()
             failed.parameters["error_code"].string_param = grpc.StatusCode.INVALID_ARGUMENT.name
             return v2.ModelStreamInferResponse(
-                error_message=f"{msg.status_message}; no id to echo", infer_response=failed
+                error_message=f"{received.status_message}; no id to echo", infer_response=failed
             )
         try:
-            return kserve.stream_response(await self._infer(msg, "ModelStreamInfer", context))
+            return kserve.stream_response(await self._infer(received, "ModelStreamInfer", context))
         except Exception as exc:
             code, message = caller_status(exc, "ModelStreamInfer")
+            msg = received.message
             failed = v2.ModelInferResponse(model_name=msg.model_name, model_version=msg.model_version, id=msg.id)
             failed.parameters["error_code"].string_param = code.name
             return v2.ModelStreamInferResponse(error_message=message, infer_response=failed)
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[Received[v2.ModelInferRequest] | Undecodable],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[v2.ModelStreamInferResponse | Frame]:
         answers = self._dispatch.stream(request_iterator, lambda m: self._infer_in_band(m, context), context)
         async for response in answers:

@@ -1,5 +1,6 @@
-"""Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call,
-and response serializing that sends a `framing.Frame` as it is.
+"""Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call
+(and a large request's tensors stay uncopied: payload.py), and response serializing that sends a
+`framing.Frame` as it is.
 
 gRPC's generated registration parses each request before the handler runs, and a DecodeError there
 answers UNKNOWN with a traceback and ends a stream. Here a request that does not parse arrives as an
@@ -23,6 +24,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from attnserve_server.edge import payload
 from attnserve_server.edge.framing import Frame
 from attnserve_server.errors import Unauthenticated
 from attnserve_server.security import TokenAuth, allowed_models
@@ -91,12 +93,14 @@ class CallsInFlight:
             self._idle = None
 
 
-def _parser(cls):
+def _parser(cls, fields: payload.Fields | None):
+    """Bytes -> the request message (a `payload.Received` where `fields` names its tensor bytes), or
+    an Undecodable."""
     name = cls.DESCRIPTOR.full_name
 
     def parse(data: bytes):
         try:
-            return cls.FromString(data)
+            return cls.FromString(data) if fields is None else payload.parse(cls, data, fields)
         except DecodeError as exc:
             return Undecodable(name, str(exc).splitlines()[0][:200] if str(exc) else "cannot parse")
 
@@ -174,7 +178,9 @@ def add_service(
 ) -> None:
     """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED);
     with `auth`, every call needs a known bearer token; with `calls`, every call is counted while
-    its handler runs."""
+    its handler runs. A method named in the servicer's `TENSOR_FIELDS` gets its requests as
+    `payload.Received`, their tensor bytes uncopied."""
+    tensor_fields: dict[str, payload.Fields] = getattr(servicer, "TENSOR_FIELDS", {})
     handlers = {}
     for method in service.methods:
         behaviour = getattr(servicer, method.name, None)
@@ -187,7 +193,7 @@ def add_service(
             behaviour = _streaming(behaviour, auth, calls) if wrap else behaviour
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
-            request_deserializer=_parser(GetMessageClass(method.input_type)),
+            request_deserializer=_parser(GetMessageClass(method.input_type), tensor_fields.get(method.name)),
             response_serializer=_serializer(GetMessageClass(method.output_type)),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

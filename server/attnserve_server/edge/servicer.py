@@ -9,7 +9,7 @@ import grpc
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.domain import Answer, AttentionRequest
-from attnserve_server.edge.convert import framed_response, model_metadata, request_from_proto
+from attnserve_server.edge.convert import TENSOR_FIELDS, framed_response, model_metadata, request_from_proto
 from attnserve_server.edge.dispatch import (
     Dispatcher,
     Encode,
@@ -19,11 +19,15 @@ from attnserve_server.edge.dispatch import (
     unary_errors,
 )
 from attnserve_server.edge.framing import Frame
+from attnserve_server.edge.payload import Received
 from attnserve_server.edge.registration import Undecodable, note_undecodable
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
     """The native API. An empty model name means the first configured model."""
+
+    # The inference methods get their requests as payload.Received (registration.add_service).
+    TENSOR_FIELDS = {"Attend": TENSOR_FIELDS, "AttendStream": TENSOR_FIELDS}
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatch = dispatcher
@@ -40,33 +44,41 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         return encode
 
-    async def _answer(self, msg: pb.AttendRequest, method: str, deadline: float | None, context) -> Frame:
+    async def _answer(
+        self, received: Received[pb.AttendRequest], method: str, deadline: float | None, context
+    ) -> Frame:
+        msg = received.message
+
         def decode(served: Servable):
-            return request_from_proto(msg, served.spec), None
+            return request_from_proto(received, served.spec), None
 
         return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context)
 
     @unary_errors
-    async def Attend(self, request: pb.AttendRequest, context: grpc.aio.ServicerContext) -> Frame:
+    async def Attend(self, request: Received[pb.AttendRequest], context: grpc.aio.ServicerContext) -> Frame:
         return await self._answer(request, "Attend", self._dispatch.deadline(context), context)
 
-    async def _answer_in_band(self, msg: pb.AttendRequest | Undecodable, deadline: float | None, context):
-        if isinstance(msg, Undecodable):
-            note_undecodable(msg, context.peer(), "AttendStream")
-            status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=msg.status_message)
+    async def _answer_in_band(
+        self, received: Received[pb.AttendRequest] | Undecodable, deadline: float | None, context
+    ):
+        if isinstance(received, Undecodable):
+            note_undecodable(received, context.peer(), "AttendStream")
+            status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=received.status_message)
             return pb.AttendResponse(error=status)  # no request id to echo: the message did not parse
         try:
-            return await self._answer(msg, "AttendStream", deadline, context)
+            return await self._answer(received, "AttendStream", deadline, context)
         except Exception as exc:
             code, message = caller_status(exc, "AttendStream")
             return pb.AttendResponse(
-                model=msg.model,
-                request_id=msg.request_id,
+                model=received.message.model,
+                request_id=received.message.request_id,
                 error=pb.Status(code=code.value[0], message=message),
             )
 
     async def AttendStream(
-        self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[Received[pb.AttendRequest] | Undecodable],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.AttendResponse | Frame]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
         answers = self._dispatch.stream(request_iterator, lambda m: self._answer_in_band(m, deadline, context), context)

@@ -1,0 +1,159 @@
+"""payload.split: a message with its tensor bytes cut out, and those bytes, are the message protobuf parses."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnserve.v1 import attention_pb2 as pb
+from attnserve_server.edge import kserve, payload
+from attnserve_server.edge.convert import TENSOR_FIELDS as NATIVE_FIELDS
+from attnserve_server.edge.framing import varint
+from attnserve_server.protocol import open_inference_pb2 as v2
+
+INPUTS = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
+blobs = st.binary(max_size=300)
+
+
+def _unknown_field(number: int, data: bytes) -> bytes:
+    """A length-delimited field no attnserve message defines (protobuf keeps it as unknown)."""
+    return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+@st.composite
+def infer_request_parts(draw) -> list[bytes]:
+    """A ModelInferRequest as separately serialized pieces: their concatenation in any order is one
+    message (protobuf merges), so its fields come in any order, raw entries between the others."""
+    parts = [v2.ModelInferRequest(model_name=draw(st.text(max_size=8)), id=draw(st.text(max_size=8)))]
+    for _ in range(draw(st.integers(0, 3))):
+        part = v2.ModelInferRequest()
+        tensor = part.inputs.add(name=draw(st.sampled_from(INPUTS)), datatype="FP32")
+        tensor.shape.extend(draw(st.lists(st.integers(0, 9), max_size=3)))
+        if draw(st.booleans()):
+            tensor.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32, allow_nan=False), max_size=4)))
+        parts.append(part)
+    for _ in range(draw(st.integers(0, 4))):
+        parts.append(v2.ModelInferRequest(raw_input_contents=[draw(blobs)]))
+    if draw(st.booleans()):
+        part = v2.ModelInferRequest()
+        part.parameters["causal"].bool_param = draw(st.booleans())
+        part.outputs.add(name="output")
+        parts.append(part)
+    wire = [p.SerializeToString() for p in parts]
+    if draw(st.booleans()):
+        wire.append(_unknown_field(draw(st.integers(100, 2000)), draw(blobs)))
+    return draw(st.permutations(wire))
+
+
+@st.composite
+def attend_request_parts(draw) -> list[bytes]:
+    """An AttendRequest as pieces in any order: each input's Tensor once, its data anywhere in it."""
+    parts = [pb.AttendRequest(model=draw(st.text(max_size=8)), causal=draw(st.booleans())).SerializeToString()]
+    for name in draw(st.lists(st.sampled_from(INPUTS), unique=True, max_size=4)):
+        fields = [pb.Tensor(dtype=draw(st.integers(0, 6))), pb.Tensor(shape=draw(st.lists(st.integers(0, 9))))]
+        if draw(st.booleans()):
+            fields.append(pb.Tensor(data=draw(blobs)))
+        inner = b"".join(draw(st.permutations([f.SerializeToString() for f in fields])))
+        number = pb.AttendRequest.DESCRIPTOR.fields_by_name[name].number
+        parts.append(varint(number << 3 | 2) + varint(len(inner)) + inner)
+    parts.append(pb.AttendRequest(request_id=draw(st.text(max_size=8))).SerializeToString())
+    return draw(st.permutations(parts))
+
+
+@settings(max_examples=200, deadline=None)
+@given(infer_request_parts())
+def test_a_kserve_request_split_is_the_message_protobuf_parses(parts: list[bytes]) -> None:
+    data = b"".join(parts)
+    rest, views = payload.split(data, kserve.TENSOR_FIELDS)
+    rebuilt = v2.ModelInferRequest.FromString(rest)
+    assert not rebuilt.raw_input_contents  # every entry was cut out...
+    rebuilt.raw_input_contents.extend(bytes(v) for v in views.get(kserve.RAW_INPUT_CONTENTS, []))
+    assert rebuilt == v2.ModelInferRequest.FromString(data)  # ...and comes back in order
+    for v in views.get(kserve.RAW_INPUT_CONTENTS, []):
+        assert v.obj is data  # views of the received bytes, not copies
+
+
+@settings(max_examples=200, deadline=None)
+@given(attend_request_parts())
+def test_a_native_request_split_is_the_message_protobuf_parses(parts: list[bytes]) -> None:
+    data = b"".join(parts)
+    rest, views = payload.split(data, NATIVE_FIELDS)
+    rebuilt = pb.AttendRequest.FromString(rest)
+    expected = pb.AttendRequest.FromString(data)
+    for name in INPUTS:
+        number = pb.AttendRequest.DESCRIPTOR.fields_by_name[name].number
+        if number in views:
+            assert getattr(rebuilt, name).data == b""
+            getattr(rebuilt, name).data = bytes(views[number][0])
+    assert rebuilt == expected
+    assert [name for name in INPUTS if rebuilt.HasField(name)] == [name for name in INPUTS if expected.HasField(name)]
+
+
+def _large_infer() -> bytes:
+    msg = v2.ModelInferRequest(model_name="default", id="big")
+    msg.inputs.add(name="query", datatype="FP32", shape=[1, 256, 256])
+    msg.raw_input_contents.append(bytes(range(256)) * 1024)  # 256 KiB
+    return msg.SerializeToString()
+
+
+def test_a_large_message_parses_with_its_tensor_bytes_as_views_and_a_small_one_whole() -> None:
+    data = _large_infer()
+    assert len(data) >= payload.LARGE_MESSAGE_BYTES
+    received = payload.parse(v2.ModelInferRequest, data, kserve.TENSOR_FIELDS)
+    (view,) = received.views[kserve.RAW_INPUT_CONTENTS]
+    assert view.obj is data and view == bytes(range(256)) * 1024
+    assert received.message.inputs[0].name == "query" and not received.message.raw_input_contents
+
+    small = v2.ModelInferRequest(model_name="m", raw_input_contents=[b"\x01\x02"]).SerializeToString()
+    received = payload.parse(v2.ModelInferRequest, small, kserve.TENSOR_FIELDS)
+    assert received.views == {} and received.message.raw_input_contents == [b"\x01\x02"]
+
+
+def _tensor_field(name: str, tensor: pb.Tensor) -> bytes:
+    inner = tensor.SerializeToString()
+    number = pb.AttendRequest.DESCRIPTOR.fields_by_name[name].number
+    return varint(number << 3 | 2) + varint(len(inner)) + inner
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # a Tensor sent twice: protobuf merges the two (shapes appended, the last data kept)
+        _tensor_field("query", pb.Tensor(shape=[1], data=b"a")) + _tensor_field("query", pb.Tensor(data=b"b")),
+        # a Tensor whose length runs past the end of the message
+        _tensor_field("query", pb.Tensor(data=b"abc"))[:-1],
+        # the tensor field with a varint where bytes belong
+        varint(3 << 3 | 0) + varint(5),
+        # a group (wire types 3 and 4)
+        varint(3 << 3 | 3) + varint(3 << 3 | 4),
+    ],
+    ids=["tensor-twice", "truncated-tensor", "wrong-wire-type", "group"],
+)
+def test_what_the_scanner_does_not_expect_is_left_to_protobuf(data: bytes) -> None:
+    assert payload.split(data, NATIVE_FIELDS) is None
+    big = _unknown_field(1000, bytes(payload.LARGE_MESSAGE_BYTES)) + data  # large enough to be scanned
+    try:
+        expected = pb.AttendRequest.FromString(big)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            payload.parse(pb.AttendRequest, big, NATIVE_FIELDS)
+    else:
+        received = payload.parse(pb.AttendRequest, big, NATIVE_FIELDS)
+        assert received.views == {} and received.message == expected
+
+
+def test_data_twice_in_one_tensor_is_left_to_protobuf() -> None:
+    inner = pb.Tensor(data=b"first").SerializeToString() + pb.Tensor(data=b"last").SerializeToString()
+    data = varint(3 << 3 | 2) + varint(len(inner)) + inner
+    assert payload.split(data, NATIVE_FIELDS) is None
+    assert pb.AttendRequest.FromString(data).query.data == b"last"
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 10])
+def test_a_truncated_large_message_is_undecodable_as_protobuf_says(cut: int) -> None:
+    data = _large_infer()[:-cut]
+    assert payload.split(data, kserve.TENSOR_FIELDS) is None
+    with pytest.raises(DecodeError):
+        payload.parse(v2.ModelInferRequest, data, kserve.TENSOR_FIELDS)
