@@ -98,13 +98,20 @@ def _large_infer() -> bytes:
     return msg.SerializeToString()
 
 
-def test_a_large_message_parses_with_its_tensor_bytes_as_views_and_a_small_one_whole() -> None:
+def test_a_large_message_parses_with_its_tensor_bytes_as_views_others_whole() -> None:
     data = _large_infer()
     assert len(data) >= payload.LARGE_MESSAGE_BYTES
     received = payload.parse(v2.ModelInferRequest, data, kserve.TENSOR_FIELDS)
     (view,) = received.views[kserve.RAW_INPUT_CONTENTS]
     assert view.obj is data and view == bytes(range(256)) * 1024
     assert received.message.inputs[0].name == "query" and not received.message.raw_input_contents
+
+    typed = v2.ModelInferRequest(model_name="m")
+    typed.inputs.add(name="query", datatype="FP32").contents.fp32_contents.extend([0.5] * (1 << 16))
+    data = typed.SerializeToString()
+    assert len(data) >= payload.LARGE_MESSAGE_BYTES
+    assert payload.split(data, kserve.TENSOR_FIELDS)[0] is data  # nothing to cut: not copied either
+    assert payload.parse(v2.ModelInferRequest, data, kserve.TENSOR_FIELDS).message == typed
 
     small = v2.ModelInferRequest(model_name="m", raw_input_contents=[b"\x01\x02"]).SerializeToString()
     received = payload.parse(v2.ModelInferRequest, small, kserve.TENSOR_FIELDS)

@@ -122,6 +122,8 @@ def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview
             at = end
     except _Unexpected:
         return None
+    if not at:  # nothing cut (typed contents, say): the message as it came, not a copy of it
+        return data, views
     kept.append(view[at:])
     return b"".join(kept), views
 
