@@ -93,14 +93,14 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     # -- inference -------------------------------------------------------------------------
 
     async def _infer(
-        self, received: Received[v2.ModelInferRequest], method: str, context
+        self, incoming: Received[v2.ModelInferRequest], method: str, context
     ) -> v2.ModelInferResponse | Frame:
-        msg = received.message
+        msg = incoming.message
         decoded: kserve.Decoded | None = None
 
         def decode(served: Servable) -> tuple[AttentionRequest, float | None]:
             nonlocal decoded
-            decoded = kserve.decode(received, served.spec)
+            decoded = kserve.decode(incoming, served.spec)
             return decoded.request, decoded.timeout_s
 
         def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float):
