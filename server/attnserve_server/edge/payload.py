@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from attnserve_server.edge.framing import varint
@@ -31,6 +32,7 @@ _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 # repeated bytes field: KServe's raw_input_contents), or the number of the bytes field inside that
 # nested message (attnserve.v1's Tensor.data inside AttendRequest.query).
 Fields = Mapping[int, int | None]
+_NO_VIEWS: Mapping[int, list[memoryview]] = MappingProxyType({})  # shared: a small request allocates none
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class Received(Generic[M]):
     top-level field number, in the order they came. Empty when the message was parsed whole."""
 
     message: M
-    views: Mapping[int, list[memoryview]] = field(default_factory=dict)
+    views: Mapping[int, list[memoryview]] = field(default_factory=lambda: _NO_VIEWS)
 
 
 class _Unexpected(Exception):
