@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-SPIN_COUNT = "1000"  # libgomp's pause loops before a waiting thread sleeps: ~20-50 us
+# libgomp's pause loops before a waiting thread sleeps: ~15 us on the Intel VM of BENCHMARKS.md's later
+# passes (a pause takes 13-17 ns there), longer where a pause is slower. libgomp's own 300,000 served
+# one long request at a time faster there (L=256 at concurrency 1: p50 -10 to -22%) and W1 at
+# concurrency 32 slower (-3 to -15%): the seventeenth pass.
+SPIN_COUNT = "1000"
 
 
 _VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A paired A/B on a noisy machine: two servers run at once, and perf_analyzer (KServe v2, sync) drives
+# them in turn, A then B, then B then A, N times. The host's slow and fast phases then fall on both
+# arms alike; compare the pairs, not runs minutes apart. The idle server sleeps meanwhile (its idle
+# spinners stop 2 ms after its last request). Prints one line per pair: "req/s/p50 µs" of each arm.
+#
+#   A="VAR=x ..." B="VAR=y ..." ARGS_A="serve flags" ARGS_B="serve flags" scripts/pair.sh
+#   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
+#        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three)
+# e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" C=1 L=256 scripts/pair.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=$(mktemp -d)
+L=${L:-64} E=${E:-256} H=${H:-8}
+scripts/perf_analyzer.sh --setup >/dev/null
+.venv/bin/python -c 'import base64, json, sys, numpy as np
+L, E = int(sys.argv[2]), int(sys.argv[3])
+x = np.random.default_rng(0).standard_normal((L, E)).astype("<f4")
+json.dump({"data": [{"query": {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [L, E]}}]}, open(sys.argv[1], "w"))' \
+  "$OUT/query.json" "$L" "$E"
+free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PORT_A=$(free_port)
+PORT_B=$(free_port)
+# shellcheck disable=SC2086 # the arms' variables and flags are words on purpose
+env ${A:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_A" --metrics-port -1 --embed-dim "$E" \
+  --num-heads "$H" ${ARGS_A:-} >"$OUT/a.log" 2>&1 &
+SA=$!
+# shellcheck disable=SC2086
+env ${B:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_B" --metrics-port -1 --embed-dim "$E" \
+  --num-heads "$H" ${ARGS_B:-} >"$OUT/b.log" 2>&1 &
+SB=$!
+trap 'kill $SA $SB 2>/dev/null; wait $SA $SB 2>/dev/null; rm -rf "$OUT"' EXIT
+for arm in "$SA:$PORT_A:a" "$SB:$PORT_B:b"; do
+  IFS=: read -r pid port name <<<"$arm"
+  until .venv/bin/attnserve health --target "127.0.0.1:$port" >/dev/null 2>&1; do
+    kill -0 "$pid" 2>/dev/null || { cat "$OUT/$name.log"; exit 1; }
+    sleep 0.2
+  done
+done
+one() {
+  scripts/perf_analyzer.sh --run -m default -u "127.0.0.1:$1" -i grpc --input-data "$OUT/query.json" \
+    --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 2>&1 |
+    awk '/Throughput:/ {t = $2} /p50 latency:/ {p = $3} END {printf "%d/%s", t, p}'
+}
+for i in $(seq "${N:-6}"); do
+  if [ $((i % 2)) = 1 ]; then a=$(one "$PORT_A"); b=$(one "$PORT_B"); else b=$(one "$PORT_B"); a=$(one "$PORT_A"); fi
+  echo "A $a  B $b"
+done
