@@ -10,6 +10,8 @@
 #        PA_MS (measurement window, ms; default 4000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 CONCS=$1
 shift
 ATTNSERVE=${ATTNSERVE:-.venv/bin/attnserve}
@@ -20,21 +22,14 @@ if [ -n "${QUERY:-}" ]; then
   [ -f "$QUERY" ] || { echo "ab.sh: no query file $QUERY" >&2; exit 1; }
 else
   QUERY=$OUT/query.json
-  .venv/bin/python -c 'import base64, json, sys, numpy as np
-x = np.random.default_rng(0).standard_normal((64, 256)).astype("<f4")
-json.dump({"data": [{"query": {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [64, 256]}}]}, open(sys.argv[1], "w"))' \
-    "$QUERY"
+  write_query "$QUERY" 64 256
 fi
-free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PORT=$(free_port)
 MPORT=$(free_port)
 "$ATTNSERVE" serve --host 127.0.0.1 --port "$PORT" --metrics-port "$MPORT" "$@" >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -rf "$OUT"' EXIT
-until .venv/bin/attnserve health --target "127.0.0.1:$PORT" >/dev/null 2>&1; do
-  kill -0 $SERVER 2>/dev/null || { cat "$OUT/server.log"; exit 1; }
-  sleep 0.2
-done
+wait_healthy $SERVER "$PORT" "$OUT/server.log"
 scrape() { curl -sf "http://127.0.0.1:$MPORT/metrics"; }
 for c in ${CONCS//,/ }; do
   scrape >"$OUT/before"

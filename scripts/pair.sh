@@ -10,15 +10,12 @@
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" C=1 L=256 scripts/pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 OUT=$(mktemp -d)
 L=${L:-64} E=${E:-256} H=${H:-8}
 scripts/perf_analyzer.sh --setup >/dev/null
-.venv/bin/python -c 'import base64, json, sys, numpy as np
-L, E = int(sys.argv[2]), int(sys.argv[3])
-x = np.random.default_rng(0).standard_normal((L, E)).astype("<f4")
-json.dump({"data": [{"query": {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [L, E]}}]}, open(sys.argv[1], "w"))' \
-  "$OUT/query.json" "$L" "$E"
-free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+write_query "$OUT/query.json" "$L" "$E"
 PORT_A=$(free_port)
 PORT_B=$(free_port)
 # shellcheck disable=SC2086 # the arms' variables and flags are words on purpose
@@ -30,13 +27,8 @@ env ${B:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_B" --metrics
   --num-heads "$H" ${ARGS_B:-} >"$OUT/b.log" 2>&1 &
 SB=$!
 trap 'kill $SA $SB 2>/dev/null; wait $SA $SB 2>/dev/null; rm -rf "$OUT"' EXIT
-for arm in "$SA:$PORT_A:a" "$SB:$PORT_B:b"; do
-  IFS=: read -r pid port name <<<"$arm"
-  until .venv/bin/attnserve health --target "127.0.0.1:$port" >/dev/null 2>&1; do
-    kill -0 "$pid" 2>/dev/null || { cat "$OUT/$name.log"; exit 1; }
-    sleep 0.2
-  done
-done
+wait_healthy $SA "$PORT_A" "$OUT/a.log"
+wait_healthy $SB "$PORT_B" "$OUT/b.log"
 one() {
   scripts/perf_analyzer.sh --run -m default -u "127.0.0.1:$1" -i grpc --input-data "$OUT/query.json" \
     --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 2>&1 |
