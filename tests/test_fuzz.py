@@ -18,7 +18,7 @@ from attnserve import Client
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve
 from attnserve_server.edge.convert import request_from_proto
-from attnserve_server.edge.payload import Received
+from attnserve_server.edge.payload import Parser, Received
 from attnserve_server.errors import ServingError
 from attnserve_server.model import spec_from_settings
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -151,3 +151,114 @@ def test_the_server_answers_arbitrary_messages_and_bytes_with_a_precise_status(
 def test_the_server_still_answers_a_valid_request_after_the_fuzzing(default_server: Running) -> None:
     with Client(default_server.target, timeout_s=10) as c:
         assert c.attend(np.ones((3, 32), np.float32)).output.shape == (3, 32)
+
+
+# -- a repeated head (payload.Parser) decodes as the whole message would ----------------------------
+
+
+@st.composite
+def request_pairs(draw) -> tuple[bytes, bytes]:
+    """Two KServe requests with one head (names, datatypes, shapes, parameters, outputs) and other
+    tensor bytes of the same lengths: mostly valid for SPEC, with masks and lengths that may not be."""
+    b, length, keys = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    kind = draw(st.sampled_from(["self", "key_value", "key and value"]))
+    padding = draw(st.sampled_from([None, "key_padding_mask", "key_lengths"]))
+    keys = length if kind == "self" else keys
+    flags = {n: draw(st.sampled_from([None, False, True])) for n in ("causal", "need_weights", "average_weights")}
+    outputs = draw(st.lists(st.sampled_from(["output", "attention_weights"]), unique=True, max_size=2))
+    order = draw(st.permutations(range(4)))  # the inputs in any order
+
+    def message(seed: int) -> bytes:
+        rng = np.random.default_rng(seed)
+        msg = v2.ModelInferRequest(model_name="default")
+        inputs: list[tuple[str, str, list[int], bytes]] = []
+
+        def add(name: str, datatype: str, shape: list[int], data: bytes) -> None:
+            inputs.append((name, datatype, shape, data))
+
+        add("query", "FP32", [b, length, 32], rng.standard_normal((b, length, 32)).astype("<f4").tobytes())
+        for name in {"self": [], "key_value": ["key_value"], "key and value": ["key", "value"]}[kind]:
+            add(name, "FP32", [b, keys, 32], rng.standard_normal((b, keys, 32)).astype("<f4").tobytes())
+        if padding == "key_padding_mask":  # now and then a byte other than 0 or 1, a row all masked
+            high = 2 if rng.random() < 0.8 else 3
+            add(padding, "BOOL", [b, keys], rng.integers(0, high, (b, keys), np.uint8).tobytes())
+        elif padding == "key_lengths":
+            add(padding, "INT64", [b], rng.integers(0, keys + 2, b).astype("<i8").tobytes())
+        for name, datatype, shape, data in sorted(inputs, key=lambda t: order[inputs.index(t)]):
+            msg.inputs.add(name=name, datatype=datatype, shape=shape)
+            msg.raw_input_contents.append(data)
+        for name, value in flags.items():
+            if value is not None:
+                msg.parameters[name].bool_param = value
+        for name in outputs:
+            msg.outputs.add(name=name)
+        return msg.SerializeToString()
+
+    first, second = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 2**32 - 1))
+    return message(first), message(second)
+
+
+def _outcome(decode) -> tuple:
+    """A decode's result as comparable values: its status and message, or what it decoded."""
+    try:
+        d = decode()
+    except ServingError as exc:
+        return exc.status, str(exc)
+    r = d.request
+
+    def tensor(t):
+        return None if t is None else (bytes(t.data), t.shape)
+
+    padding = None if r.key_padding is None else r.key_padding.tolist()
+    return (
+        d.outputs,
+        d.typed,
+        d.timeout_s,
+        tensor(r.query),
+        tensor(r.key),
+        tensor(r.value),
+        r.key is r.value,
+        padding,
+        r.causal,
+        r.need_weights,
+        r.average_weights,
+        r.unbatched,
+        r.nbytes,
+        r.memory_bytes,
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_pairs())
+def test_a_request_whose_head_repeats_decodes_as_the_whole_message_would(pair: tuple[bytes, bytes]) -> None:
+    parser = Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+    first, second = pair
+    for _ in range(2):  # a head decoded twice is kept
+        _outcome(lambda: kserve.decode(parser(first), SPEC))
+    received = parser(second)
+    assert received.repeat is not None and received.repeat is parser(first).repeat  # the one head
+    whole = Received(v2.ModelInferRequest.FromString(second))  # no head remembered: validated whole
+    assert _outcome(lambda: kserve.decode(received, SPEC)) == _outcome(lambda: kserve.decode(whole, SPEC))
+
+
+def test_a_repeated_head_is_validated_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+
+    def request(fill: int, length: int = 4) -> bytes:
+        msg = v2.ModelInferRequest(model_name="default")
+        msg.inputs.add(name="query", datatype="FP32", shape=[1, length, 32])
+        msg.raw_input_contents.append(bytes([fill]) * (length * 32 * 4))
+        return msg.SerializeToString()
+
+    kserve.decode(parser(request(1)), SPEC)
+    kserve.decode(parser(request(1)), SPEC)  # a head decoded twice is kept
+    validated = []
+    whole = kserve._decode_whole
+    monkeypatch.setattr(kserve, "_decode_whole", lambda *a: validated.append(a) or whole(*a))
+    data = request(2)
+    decoded = kserve.decode(parser(data), SPEC)
+    assert not validated and decoded.request.query.data.obj is data  # not validated again; its own bytes
+    short = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, max_query_len=3))
+    with pytest.raises(ServingError, match="max_query_len 3"):  # another model validates it itself
+        kserve.decode(parser(request(3)), short)
+    assert len(validated) == 1

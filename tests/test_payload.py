@@ -164,3 +164,88 @@ def test_a_truncated_large_message_is_undecodable_as_protobuf_says(cut: int) -> 
     assert payload.split(data, kserve.TENSOR_FIELDS) is None
     with pytest.raises(DecodeError):
         payload.parse(v2.ModelInferRequest, data, kserve.TENSOR_FIELDS)
+
+
+# -- payload.Parser: heads seen before are not parsed again ---------------------------------------
+
+RAW = kserve.RAW_INPUT_CONTENTS
+
+
+def _rebuilt(received: payload.Received) -> v2.ModelInferRequest:
+    """The message a Received stands for: its message with the views put back as its entries."""
+    msg = v2.ModelInferRequest()
+    msg.CopyFrom(received.message)
+    msg.raw_input_contents.extend(bytes(v) for v in received.views.get(RAW, []))
+    return msg
+
+
+def _head(n: int) -> bytes:
+    msg = v2.ModelInferRequest(model_name="default", id="" if n % 2 else f"id{n}")
+    msg.inputs.add(name="query", datatype="FP32", shape=[1, n, 4])
+    return msg.SerializeToString()
+
+
+@st.composite
+def message_streams(draw) -> list[bytes]:
+    """Requests from a few heads and entry lengths (so one Parser sees heads repeat, a head with
+    other lengths, other heads of the same size), some with fields out of order, some cut short."""
+    stream = []
+    for _ in range(draw(st.integers(1, 12))):
+        if draw(st.integers(0, 5)) == 0:
+            data = b"".join(draw(infer_request_parts()))
+        else:
+            lengths = draw(st.lists(st.sampled_from([0, 1, 3, 5, 130]), max_size=3))
+            entries = [bytes([draw(st.integers(0, 255))]) * n for n in lengths]
+            data = _head(draw(st.integers(1, 3))) + v2.ModelInferRequest(raw_input_contents=entries).SerializeToString()
+        if draw(st.integers(0, 7)) == 0:
+            data = data[: draw(st.integers(0, max(len(data) - 1, 0)))]
+        stream.append(data)
+    return stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(message_streams(), st.integers(1, 3), st.integers(0, 3))
+def test_a_parser_returns_the_message_protobuf_parses_whatever_it_saw_before(
+    stream: list[bytes], capacity: int, back_off: int
+) -> None:
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS, capacity=capacity, back_off=back_off)
+    for data in stream:
+        try:
+            expected = v2.ModelInferRequest.FromString(data)
+        except DecodeError:
+            with pytest.raises(DecodeError):
+                parser(data)
+            continue
+        received = parser(data)
+        assert _rebuilt(received) == expected
+        for v in received.views.get(RAW, []):
+            assert v.obj is data
+
+
+def test_a_repeated_head_is_parsed_once_and_other_lengths_are_not_mistaken_for_it() -> None:
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+    head = _head(3)
+    first = parser(head + v2.ModelInferRequest(raw_input_contents=[b"a" * 3, b"b" * 5]).SerializeToString())
+    data = head + v2.ModelInferRequest(raw_input_contents=[b"c" * 3, b"d" * 5]).SerializeToString()
+    again = parser(data)
+    assert again.repeat is first.repeat and again.message is first.message  # not parsed again
+    assert [bytes(v) for v in again.views[RAW]] == [b"c" * 3, b"d" * 5] and again.views[RAW][0].obj is data
+    swapped = parser(head + v2.ModelInferRequest(raw_input_contents=[b"e" * 5, b"f" * 3]).SerializeToString())
+    assert swapped.repeat is not first.repeat  # the same size, other lengths: a head of its own
+    assert [bytes(v) for v in swapped.views[RAW]] == [b"e" * 5, b"f" * 3]
+    native = payload.Parser(pb.AttendRequest, NATIVE_FIELDS)  # tensors inside nested messages: none kept
+    msg = pb.AttendRequest(model="m", query=pb.Tensor(shape=[1], data=b"abcd"))
+    assert native(msg.SerializeToString()).repeat is None
+
+
+def test_a_parser_stops_remembering_heads_that_never_repeat_for_a_while() -> None:
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS, capacity=2, back_off=3)
+
+    def request(request_id: str) -> bytes:
+        return v2.ModelInferRequest(model_name="m", id=request_id, raw_input_contents=[b"abc"]).SerializeToString()
+
+    assert parser(request("a")).repeat is not None and parser(request("b")).repeat is not None
+    assert parser(request("c")).repeat is not None  # "a" and "b" forgotten unused: two in a row...
+    assert [parser(request(i)).repeat for i in "def"] == [None] * 3  # ...so three are parsed plainly
+    first = parser(request("g"))
+    assert first.repeat is not None and parser(request("g")).repeat is first.repeat  # and it tries again

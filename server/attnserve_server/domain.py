@@ -137,6 +137,28 @@ class AttentionRequest:
     def batch_key(self) -> BatchKey:
         return BatchKey(self.key is not None, self.causal, self.need_weights, self.average_weights)
 
+    def with_data(
+        self, query: bytes | memoryview, key: bytes | memoryview | None, value: bytes | memoryview | None
+    ) -> AttentionRequest:
+        """This request with other tensor bytes of the same lengths: a request whose every other field
+        repeats this one's, and so as valid. `key` and `value` are read only where this request has
+        them; with one key_value (key and value the same) `key` is both."""
+        k = None if self.key is None else HostTensor(key, self.key.shape)  # type: ignore[arg-type]
+        v = k if self.value is self.key else HostTensor(value, self.value.shape)  # type: ignore[arg-type,union-attr]
+        return AttentionRequest(
+            HostTensor(query, self.query.shape),
+            k,
+            v,
+            self.key_padding,
+            self.causal,
+            self.need_weights,
+            self.average_weights,
+            self.unbatched,
+            self.nbytes,
+            self.memory_bytes,
+            self.trace,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class BatchReport:

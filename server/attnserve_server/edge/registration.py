@@ -1,6 +1,6 @@
 """Puts a servicer on the gRPC server with request parsing of our own, so no bytes can break a call
-(and a large request's tensors stay uncopied: payload.py), and response serializing that sends a
-`framing.Frame` as it is.
+(a large request's tensors stay uncopied, and a head seen before is not parsed again: payload.py),
+and response serializing that sends a `framing.Frame` as it is.
 
 gRPC's generated registration parses each request before the handler runs, and a DecodeError there
 answers UNKNOWN with a traceback and ends a stream. Here a request that does not parse arrives as an
@@ -97,10 +97,11 @@ def _parser(cls, fields: payload.Fields | None):
     """Bytes -> the request message (a `payload.Received` where `fields` names its tensor bytes), or
     an Undecodable."""
     name = cls.DESCRIPTOR.full_name
+    read = cls.FromString if fields is None else payload.Parser(cls, fields)
 
     def parse(data: bytes):
         try:
-            return cls.FromString(data) if fields is None else payload.parse(cls, data, fields)
+            return read(data)
         except DecodeError as exc:
             return Undecodable(name, str(exc).splitlines()[0][:200] if str(exc) else "cannot parse")
 
