@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from attnserve import Client
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve
+from attnserve_server.edge.convert import TENSOR_FIELDS as NATIVE_FIELDS
 from attnserve_server.edge.convert import request_from_proto
 from attnserve_server.edge.payload import Parser, Received
 from attnserve_server.errors import ServingError
@@ -261,4 +262,79 @@ def test_a_repeated_head_is_validated_once_per_model(monkeypatch: pytest.MonkeyP
     short = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, max_query_len=3))
     with pytest.raises(ServingError, match="max_query_len 3"):  # another model validates it itself
         kserve.decode(parser(request(3)), short)
+    assert len(validated) == 1
+
+
+@st.composite
+def attend_pairs(draw) -> tuple[bytes, bytes]:
+    """Two native requests with one head and other tensor bytes of the same lengths (as `request_pairs`)."""
+    b, length, keys = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    kind = draw(st.sampled_from(["self", "key_value", "key and value"]))
+    padding = draw(st.sampled_from([None, "key_padding_mask", "key_lengths"]))
+    keys = length if kind == "self" else keys
+    flags = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    fp32, boolean, int64 = pb.DATA_TYPE_FP32, pb.DATA_TYPE_BOOL, pb.DATA_TYPE_INT64
+
+    def message(seed: int) -> bytes:
+        rng = np.random.default_rng(seed)
+        msg = pb.AttendRequest(model="default", causal=flags[0], need_weights=flags[1], average_weights=flags[2])
+        msg.query.CopyFrom(
+            pb.Tensor(dtype=fp32, shape=[b, length, 32], data=rng.random((b, length, 32), "f4").tobytes())
+        )
+        for name in {"self": [], "key_value": ["key_value"], "key and value": ["key", "value"]}[kind]:
+            getattr(msg, name).CopyFrom(
+                pb.Tensor(dtype=fp32, shape=[b, keys, 32], data=rng.random((b, keys, 32), "f4").tobytes())
+            )
+        if padding == "key_padding_mask":
+            high = 2 if rng.random() < 0.8 else 3
+            msg.key_padding_mask.CopyFrom(
+                pb.Tensor(dtype=boolean, shape=[b, keys], data=rng.integers(0, high, (b, keys), np.uint8).tobytes())
+            )
+        elif padding == "key_lengths":
+            msg.key_lengths.CopyFrom(
+                pb.Tensor(dtype=int64, shape=[b], data=rng.integers(0, keys + 2, b).astype("<i8").tobytes())
+            )
+        return msg.SerializeToString()
+
+    return message(draw(st.integers(0, 2**32 - 1))), message(draw(st.integers(0, 2**32 - 1)))
+
+
+def _request_outcome(decode) -> tuple:
+    return _outcome(lambda: kserve.Decoded(decode(), (), False, None))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(attend_pairs())
+def test_a_native_request_whose_head_repeats_decodes_as_the_whole_message_would(pair: tuple[bytes, bytes]) -> None:
+    parser = Parser(pb.AttendRequest, NATIVE_FIELDS)
+    first, second = pair
+    for _ in range(2):  # a head decoded twice is kept
+        _request_outcome(lambda: request_from_proto(parser(first), SPEC))
+    received = parser(second)
+    assert received.repeat is not None and received.repeat is parser(first).repeat
+    whole = Received(pb.AttendRequest.FromString(second))
+    assert _request_outcome(lambda: request_from_proto(received, SPEC)) == _request_outcome(
+        lambda: request_from_proto(whole, SPEC)
+    )
+
+
+def test_a_repeated_native_head_is_validated_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnserve_server.edge import convert
+
+    parser = Parser(pb.AttendRequest, NATIVE_FIELDS)
+
+    def request(fill: int) -> bytes:
+        query = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[1, 4, 32], data=bytes([fill]) * (4 * 32 * 4))
+        return pb.AttendRequest(model="default", query=query).SerializeToString()
+
+    for _ in range(2):  # a head decoded twice is kept
+        request_from_proto(parser(request(1)), SPEC)
+    validated = []
+    build = convert.build_request
+    monkeypatch.setattr(convert, "build_request", lambda *a, **kw: validated.append(a) or build(*a, **kw))
+    data = request(2)
+    assert request_from_proto(parser(data), SPEC).query.data.obj is data and not validated
+    short = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, max_query_len=3))
+    with pytest.raises(ServingError, match="max_query_len 3"):
+        request_from_proto(parser(request(3)), short)
     assert len(validated) == 1

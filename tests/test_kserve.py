@@ -246,23 +246,6 @@ def test_weights_masks_and_causal_match_the_native_api(server: Running, client: 
     assert np.all(np.triu(weights[0, 0], 1) == 0)
 
 
-def test_requests_of_one_shape_are_each_answered_from_their_own_bytes(
-    server: Running, client: tc.InferenceServerClient
-) -> None:
-    """Their heads repeat (edge/payload.py's Parser): each answer is still its own request's, and a
-    mask's values are checked every time."""
-    for seed in range(3):
-        q = np.random.default_rng(seed).standard_normal((1, 5, E)).astype(np.float32)
-        out = client.infer("default", [infer_input("query", q)]).as_numpy("output")
-        np.testing.assert_allclose(out, native(server, q).output, rtol=0, atol=1e-6)
-    mask = np.zeros((1, 5), dtype=bool)
-    client.infer("default", [infer_input("query", q), infer_input("key_padding_mask", mask)])
-    mask[0, :] = True
-    with pytest.raises(InferenceServerException) as err:
-        client.infer("default", [infer_input("query", q), infer_input("key_padding_mask", mask)])
-    assert status_of(err) == "StatusCode.INVALID_ARGUMENT" and "masks every key" in err.value.message()
-
-
 def test_bare_operation_and_cross_widths(server: Running, client: tc.InferenceServerClient) -> None:
     q, k, v = x(1, 4, E), x(1, 9, E), x(1, 9, 16)
     out = client.infer("bare", [infer_input("query", q), infer_input("key", k), infer_input("value", v)])

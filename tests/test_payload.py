@@ -229,13 +229,54 @@ def test_a_repeated_head_is_parsed_once_and_other_lengths_are_not_mistaken_for_i
     data = head + v2.ModelInferRequest(raw_input_contents=[b"c" * 3, b"d" * 5]).SerializeToString()
     again = parser(data)
     assert again.repeat is first.repeat and again.message is first.message  # not parsed again
+    assert first.repeat.match(data + b"\0") is None and first.repeat.match(data[:-1]) is None
     assert [bytes(v) for v in again.views[RAW]] == [b"c" * 3, b"d" * 5] and again.views[RAW][0].obj is data
     swapped = parser(head + v2.ModelInferRequest(raw_input_contents=[b"e" * 5, b"f" * 3]).SerializeToString())
     assert swapped.repeat is not first.repeat  # the same size, other lengths: a head of its own
     assert [bytes(v) for v in swapped.views[RAW]] == [b"e" * 5, b"f" * 3]
-    native = payload.Parser(pb.AttendRequest, NATIVE_FIELDS)  # tensors inside nested messages: none kept
-    msg = pb.AttendRequest(model="m", query=pb.Tensor(shape=[1], data=b"abcd"))
-    assert native(msg.SerializeToString()).repeat is None
+
+    native = payload.Parser(pb.AttendRequest, NATIVE_FIELDS)  # the native API's tensors, inside its Tensors
+
+    def attend(data: bytes) -> bytes:
+        return pb.AttendRequest(model="m", query=pb.Tensor(shape=[1], data=data), causal=True).SerializeToString()
+
+    first = native(attend(b"abcd"))
+    data = attend(b"wxyz")
+    again = native(data)
+    assert again.repeat is first.repeat and again.views == {3: [b"wxyz"]} and again.views[3][0].obj is data
+    assert again.message.causal and not again.message.query.data
+
+
+def _native_rebuilt(received: payload.Received) -> pb.AttendRequest:
+    msg = pb.AttendRequest()
+    msg.CopyFrom(received.message)
+    for number, (view,) in received.views.items():
+        getattr(msg, pb.AttendRequest.DESCRIPTOR.fields_by_number[number].name).data = bytes(view)
+    return msg
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(attend_request_parts(), min_size=1, max_size=6), st.data())
+def test_a_native_parser_returns_the_message_protobuf_parses_whatever_it_saw_before(streams, data) -> None:
+    """Each message, then the same with other tensor bytes of the same lengths: a repeated head."""
+    parser = payload.Parser(pb.AttendRequest, NATIVE_FIELDS, capacity=2, back_off=1)
+    for parts in streams:
+        wire = b"".join(parts)
+        variants = [wire]
+        cut = payload._cut(wire, NATIVE_FIELDS)
+        if cut is not None:  # the same bytes but for the tensors'
+            other = bytearray(wire)
+            for _, start, end in cut[1]:
+                other[start:end] = data.draw(st.binary(min_size=end - start, max_size=end - start))
+            variants.append(bytes(other))
+        for message in variants:
+            try:
+                expected = pb.AttendRequest.FromString(message)
+            except DecodeError:
+                with pytest.raises(DecodeError):
+                    parser(message)
+                continue
+            assert _native_rebuilt(parser(message)) == expected
 
 
 def test_a_parser_stops_remembering_heads_that_never_repeat_for_a_while() -> None:

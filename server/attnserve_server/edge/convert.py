@@ -7,7 +7,7 @@ from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
-from attnserve_server.edge.wire import INPUT_NAMES, WireTensor, build_request
+from attnserve_server.edge.wire import INPUT_NAMES, Known, WireTensor, build_request
 
 # attnserve.v1 DataType <-> the wire name (DATA_TYPE_FP32 <-> FP32); unknown numbers read as <n>.
 _NAMES = {v: pb.DataType.Name(v).removeprefix("DATA_TYPE_") for v in pb.DataType.values()}
@@ -25,7 +25,13 @@ TENSOR_FIELDS: Fields = {number: _DATA for number in _INPUT_FIELDS.values()}
 
 
 def request_from_proto(received: Received[pb.AttendRequest], spec: ModelSpec) -> AttentionRequest:
-    """Validates a request against its model and returns it as domain values; raises InvalidArgument."""
+    """Validates a request against its model and returns it as domain values; raises InvalidArgument.
+    A request whose head repeats one this model accepted before is not validated again (`wire.Known`)."""
+    repeat = received.repeat
+    if repeat is not None:
+        known = repeat.decoded
+        if type(known) is Known and known.spec is spec:
+            return known.request(received.views)
     msg, views = received.message, received.views
     tensors = {}
     for name, number in _INPUT_FIELDS.items():
@@ -33,9 +39,12 @@ def request_from_proto(received: Received[pb.AttendRequest], spec: ModelSpec) ->
             t = getattr(msg, name)
             data = views[number][0] if number in views else t.data
             tensors[name] = WireTensor(dtype_name(t.dtype), tuple(t.shape), data, f"{name}.data")
-    return build_request(
+    request = build_request(
         spec, tensors, causal=msg.causal, need_weights=msg.need_weights, average_weights=msg.average_weights
     )
+    if repeat is not None and repeat.hits:  # kept once the head has come twice
+        repeat.decoded = Known.of(spec, request, {name: (_INPUT_FIELDS[name], 0) for name in tensors})
+    return request
 
 
 _OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number

@@ -19,7 +19,7 @@ from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
-from attnserve_server.edge.wire import WireTensor, build_request
+from attnserve_server.edge.wire import Known, WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -170,43 +170,30 @@ def decode(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> Decoded
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound).
 
     A request whose head repeats one this model decoded before (payload.Parser) is not validated
-    again: every rule reads the head and the tensors' byte lengths, which are the same, so only its
-    tensor bytes differ (`_Again`). Requests whose values are checked (masks, lengths, typed
-    contents) are decoded whole each time."""
+    again (`wire.Known`): only its tensor bytes differ. Requests whose values are checked (masks,
+    lengths, typed contents) are decoded whole each time."""
     repeat = received.repeat
     if repeat is not None:
         again = repeat.decoded
-        if type(again) is _Again and again.spec is spec:
-            return again.decode(received.views.get(RAW_INPUT_CONTENTS, ()))
+        if type(again) is _Again and again.known.spec is spec:
+            return Decoded(again.known.request(received.views), again.outputs, False, again.timeout_s)
     decoded = _decode_whole(received, spec)
     # Kept once the head has come twice: a head seen once (a request with its own id) costs nothing here.
-    if repeat is not None and repeat.hits and not decoded.typed and decoded.request.key_padding is None:
-        repeat.decoded = _Again(spec, received.message, decoded)
+    if repeat is not None and repeat.hits and not decoded.typed:
+        where = {tensor.name: (RAW_INPUT_CONTENTS, i) for i, tensor in enumerate(received.message.inputs)}
+        known = Known.of(spec, decoded.request, where)
+        if known is not None:
+            repeat.decoded = _Again(known, decoded.outputs, decoded.timeout_s)
     return decoded
 
 
 class _Again:
-    """How a model decodes the next request with a head it decoded before: the same `Decoded`, with
-    that request's raw_input_contents as its tensor bytes."""
+    """What a model decoded of a head before: the request (`wire.Known`) and the response's form."""
 
-    __slots__ = ("_key", "_query", "_template", "_value", "spec")
+    __slots__ = ("known", "outputs", "timeout_s")
 
-    def __init__(self, spec: ModelSpec, msg: v2.ModelInferRequest, decoded: Decoded) -> None:
-        self.spec = spec
-        where = {tensor.name: i for i, tensor in enumerate(msg.inputs)}
-        self._query = where["query"]
-        self._key = where.get("key_value", where.get("key"))
-        self._value = where.get("key_value", where.get("value"))
-        request = decoded.request
-        empty = b""  # the template holds no request's bytes
-        template = request.with_data(empty, empty, empty)
-        self._template = Decoded(template, decoded.outputs, decoded.typed, decoded.timeout_s)
-
-    def decode(self, raw: Sequence[memoryview]) -> Decoded:
-        t = self._template
-        k, v = self._key, self._value
-        request = t.request.with_data(raw[self._query], None if k is None else raw[k], None if v is None else raw[v])
-        return Decoded(request, t.outputs, t.typed, t.timeout_s)
+    def __init__(self, known: Known, outputs: tuple[str, ...], timeout_s: float | None) -> None:
+        self.known, self.outputs, self.timeout_s = known, outputs, timeout_s
 
 
 def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> Decoded:

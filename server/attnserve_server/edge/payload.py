@@ -15,11 +15,12 @@ protobuf parses the whole message as before, and reports any error itself.
 
 Most request streams repeat one head: a client, a load generator, an application sends request after
 request whose fields other than the tensor bytes (model, inputs' names, datatypes and shapes,
-parameters) are the same bytes each time. A `Parser` remembers the heads it has seen: a message
-that is a known head followed by tensor entries of the same lengths is not parsed again. It gets
-the head's message (one object, shared by every such request: read-only) and its tensor bytes as
-views, and the decoder may keep what it made of the head (`Repeat.decoded`) for the next one. Under
-load at L=16 the loop spent ~12% of its GIL time decoding (py-spy, BENCHMARKS.md, eighteenth pass).
+parameters) are the same bytes each time. A `Parser` remembers the heads it has seen: a message of
+a known head's length whose bytes are the head's everywhere but in its tensors' bytes is not parsed
+again. It gets the head's message (one object, shared by every such request: read-only) and its
+tensor bytes as views, and the decoder may keep what it made of the head (`Repeat.decoded`) for the
+next one. Under load at L=16 the loop spent ~12% of its GIL time decoding (py-spy, BENCHMARKS.md,
+eighteenth pass).
 """
 
 from __future__ import annotations
@@ -44,39 +45,37 @@ _NO_VIEWS: Mapping[int, list[memoryview]] = MappingProxyType({})  # shared: a sm
 
 
 class Repeat:
-    """A head seen before: the message it parses to, and where a message made of it and tensor
-    entries of the same lengths has each entry's bytes."""
+    """A head seen before: the message it parses to, and the bytes of a message with this head but
+    for the tensors' bytes, which are holes of fixed lengths."""
 
-    __slots__ = ("decoded", "head", "hits", "message", "size", "tails")
+    __slots__ = ("decoded", "fixed", "hits", "holes", "message", "size")
 
-    def __init__(self, size: int, head: bytes, tails: tuple[tuple[int, int, bytes, int, int], ...], message) -> None:
-        self.size = size  # the whole message's length
-        self.head = head  # its fields but the tensor entries, which come after them
-        self.tails = tails  # per entry: field number, where it starts, its key and length, its bytes' start, end
+    def __init__(self, data: bytes, holes: list[Hole], message) -> None:
+        self.size = len(data)
+        self.holes = tuple(holes)
+        fixed: list[tuple[int, bytes]] = []  # (where, the bytes there) between the holes
+        at = 0
+        for _, start, end in (*holes, (0, len(data), len(data))):
+            if start > at:
+                fixed.append((at, data[at:start]))
+            at = end
+        self.fixed = tuple(fixed)
         self.message = message  # the head parsed: shared by every message with this head, never changed
         self.hits = 0  # messages since the first that had this head
         # What a decoder made of this head for a model, for the next message with it (kserve.decode).
         self.decoded: object = None
 
     def match(self, data: bytes) -> dict[int, list[memoryview]] | None:
-        """`data`'s tensor bytes as views when it is this head and entries of the same lengths, else None.
+        """`data`'s tensor bytes as views when it is this head with other tensor bytes, else None.
 
-        Same total length, the head's bytes first, and each entry's key and length where the head's
-        entries had theirs: then `data` is the head followed by those entries and nothing else, and
-        protobuf would parse it to the head's message with those bytes as its entries."""
-        if len(data) != self.size or not data.startswith(self.head):
+        Same length, and the same bytes everywhere but in the holes: then protobuf would parse it to
+        the head's message with the holes' bytes as its tensors (bytes fields take any bytes)."""
+        if len(data) != self.size:
             return None
-        view = memoryview(data)
-        views: dict[int, list[memoryview]] = {}
-        for number, at, prefix, start, end in self.tails:
-            if not data.startswith(prefix, at):
+        for at, fixed in self.fixed:
+            if not data.startswith(fixed, at):
                 return None
-            entries = views.get(number)
-            if entries is None:
-                views[number] = [view[start:end]]
-            else:
-                entries.append(view[start:end])
-        return views
+        return _views(data, self.holes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +132,16 @@ def _fields(data: bytes, start: int, end: int):
         yield number, wire, at, value, pos
 
 
-def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview]]] | None:
-    """The message `data` without the tensor bytes `fields` name, and those bytes as views of `data`;
-    None where the scanner steps aside (the module's note says when)."""
+# Where a tensor's bytes are in a message: (top-level field number, start, end), in the order they came.
+Hole = tuple[int, int, int]
+
+
+def _cut(data: bytes, fields: Fields) -> tuple[bytes, list[Hole]] | None:
+    """The message `data` without the tensor bytes `fields` name, and where those bytes are; None
+    where the scanner steps aside (the module's note says when)."""
     view = memoryview(data)
     kept: list[bytes | memoryview] = []
-    views: dict[int, list[memoryview]] = {}
+    holes: list[Hole] = []
     nested_seen: set[int] = set()
     at = 0  # data[at:] not yet kept or cut
     try:
@@ -149,7 +152,7 @@ def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview
                 return None
             inner = fields[number]
             if inner is None:  # a repeated bytes field: cut the whole field out
-                views.setdefault(number, []).append(view[value:end])
+                holes.append((number, value, end))
                 kept.append(view[at:start])
                 at = end
                 continue
@@ -165,16 +168,38 @@ def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview
             if found is None:
                 continue
             s, v, e = found
-            views[number] = [view[v:e]]
+            holes.append((number, v, e))
             size = (end - value) - (e - s)
             kept += (view[at:start], varint(number << 3 | _LENGTH_DELIMITED), varint(size), view[value:s], view[e:end])
             at = end
     except _Unexpected:
         return None
     if not at:  # nothing cut (typed contents, say): the message as it came, not a copy of it
-        return data, views
+        return data, holes
     kept.append(view[at:])
-    return b"".join(kept), views
+    return b"".join(kept), holes
+
+
+def _views(data: bytes, holes: list[Hole] | tuple[Hole, ...]) -> dict[int, list[memoryview]]:
+    view = memoryview(data)
+    views: dict[int, list[memoryview]] = {}
+    for number, start, end in holes:
+        entries = views.get(number)
+        if entries is None:
+            views[number] = [view[start:end]]
+        else:
+            entries.append(view[start:end])
+    return views
+
+
+def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview]]] | None:
+    """The message `data` without the tensor bytes `fields` name, and those bytes as views of `data`;
+    None where the scanner steps aside (the module's note says when)."""
+    got = _cut(data, fields)
+    if got is None:
+        return None
+    rest, holes = got
+    return rest, _views(data, holes)
 
 
 def parse(cls, data: bytes, fields: Fields) -> Received:
@@ -186,25 +211,6 @@ def parse(cls, data: bytes, fields: Fields) -> Received:
             rest, views = got
             return Received(cls.FromString(rest), views)
     return Received(cls.FromString(data))
-
-
-def _trailing(data: bytes, fields: Fields) -> tuple[int, tuple[tuple[int, int, bytes, int, int], ...]] | None:
-    """Where `data`'s head ends and its tensor entries, when every field after the head is an entry of
-    a repeated bytes field in `fields` (as protobuf serializes a KServe request: by field number,
-    raw_input_contents last); else None."""
-    head = len(data)
-    tails: list[tuple[int, int, bytes, int, int]] = []
-    try:
-        for number, wire, start, value, end in _fields(data, 0, len(data)):
-            if number in fields and wire == _LENGTH_DELIMITED and fields[number] is None:
-                if not tails:
-                    head = start
-                tails.append((number, start, data[start:value], value, end))
-            elif tails:
-                return None  # another field after a tensor entry
-    except _Unexpected:
-        return None
-    return head, tuple(tails)
 
 
 class Parser(Generic[M]):
@@ -220,8 +226,6 @@ class Parser(Generic[M]):
     def __init__(self, cls: type[M], fields: Fields, capacity: int = 64, back_off: int = 1024) -> None:
         self._cls = cls
         self._fields = fields
-        # A head with an entry inside a nested message cannot be cut from the front: none remembered.
-        self._repeats = all(inner is None for inner in fields.values())
         self._capacity = capacity
         self._back_off = back_off
         self._by_size: dict[int, Repeat] = {}  # one head per message length: the latest
@@ -237,15 +241,14 @@ class Parser(Generic[M]):
                 repeat.hits += 1
                 self._unused = 0
                 return Received(repeat.message, views, repeat)
-        if not self._repeats or self._plain:
-            self._plain = max(self._plain - 1, 0)
+        if self._plain:
+            self._plain -= 1
             return parse(self._cls, data, self._fields)
-        found = _trailing(data, self._fields)
-        if found is None or not found[1]:  # no raw entries (typed contents): nothing to cut, none kept
-            return parse(self._cls, data, self._fields)
-        end, tails = found
-        head = data[:end]
-        repeat = Repeat(len(data), head, tails, self._cls.FromString(head))
+        got = _cut(data, self._fields)
+        if got is None or not got[1]:  # left to protobuf, or no tensor bytes (typed contents): none kept
+            return Received(self._cls.FromString(data))
+        rest, holes = got
+        repeat = Repeat(data, holes, self._cls.FromString(rest))
         forgotten = self._by_size.get(len(data))
         if forgotten is None and len(self._by_size) >= self._capacity:
             forgotten = self._by_size.pop(next(iter(self._by_size)))

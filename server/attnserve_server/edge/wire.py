@@ -218,6 +218,43 @@ def build_request(
     )
 
 
+# Where a tensor's bytes are in a received message's views (edge/payload.py): (field number, entry).
+Where = tuple[int, int]
+
+
+class Known:
+    """A request `build_request` accepted, kept for the next with the same head (edge/payload.py's
+    `Repeat`). Such a request differs only in its tensors' bytes, of the same lengths, and every rule
+    here reads the head and the byte lengths, so it is as valid. A request whose values are checked
+    (key_padding_mask, key_lengths) is not kept: `of` returns None."""
+
+    __slots__ = ("_key", "_query", "_template", "_value", "spec")
+
+    def __init__(
+        self, spec: ModelSpec, request: AttentionRequest, query: Where, key: Where | None, value: Where | None
+    ):
+        self.spec = spec  # the model it was validated against
+        self._template = request.with_data(b"", b"", b"")  # holding no request's bytes
+        self._query, self._key, self._value = query, key, value
+
+    @classmethod
+    def of(cls, spec: ModelSpec, request: AttentionRequest, where: Mapping[str, Where]) -> Known | None:
+        """`request`, validated against `spec`, with where each of its inputs' bytes are."""
+        if request.key_padding is not None:
+            return None
+        both = where.get("key_value")
+        return cls(spec, request, where["query"], both or where.get("key"), both or where.get("value"))
+
+    def request(self, views: Mapping[int, list[memoryview]]) -> AttentionRequest:
+        """The request a message with this head and these tensor bytes carries."""
+        q, k, v = self._query, self._key, self._value
+        return self._template.with_data(
+            views[q[0]][q[1]],
+            None if k is None else views[k[0]][k[1]],
+            None if v is None else views[v[0]][v[1]],
+        )
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
