@@ -168,10 +168,11 @@ def request_pairs(draw) -> tuple[bytes, bytes]:
     flags = {n: draw(st.sampled_from([None, False, True])) for n in ("causal", "need_weights", "average_weights")}
     outputs = draw(st.lists(st.sampled_from(["output", "attention_weights"]), unique=True, max_size=2))
     order = draw(st.permutations(range(4)))  # the inputs in any order
+    ids = st.sampled_from(["r", "r2", "r" * 200])  # each request its own
 
     def message(seed: int) -> bytes:
         rng = np.random.default_rng(seed)
-        msg = v2.ModelInferRequest(model_name="default")
+        msg = v2.ModelInferRequest(model_name="default", id=draw(ids))
         inputs: list[tuple[str, str, list[int], bytes]] = []
 
         def add(name: str, datatype: str, shape: list[int], data: bytes) -> None:
@@ -232,7 +233,7 @@ def _outcome(decode) -> tuple:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_pairs())
 def test_a_request_whose_head_repeats_decodes_as_the_whole_message_would(pair: tuple[bytes, bytes]) -> None:
-    parser = Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+    parser = Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS, "id")
     first, second = pair
     for _ in range(2):  # a head decoded twice is kept
         _outcome(lambda: kserve.decode(parser(first), SPEC))
@@ -275,9 +276,13 @@ def attend_pairs(draw) -> tuple[bytes, bytes]:
     flags = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
     fp32, boolean, int64 = pb.DATA_TYPE_FP32, pb.DATA_TYPE_BOOL, pb.DATA_TYPE_INT64
 
+    ids = st.sampled_from(["0", "17", "x" * 200])  # each request its own
+
     def message(seed: int) -> bytes:
         rng = np.random.default_rng(seed)
-        msg = pb.AttendRequest(model="default", causal=flags[0], need_weights=flags[1], average_weights=flags[2])
+        msg = pb.AttendRequest(
+            model="default", request_id=draw(ids), causal=flags[0], need_weights=flags[1], average_weights=flags[2]
+        )
         msg.query.CopyFrom(
             pb.Tensor(dtype=fp32, shape=[b, length, 32], data=rng.random((b, length, 32), "f4").tobytes())
         )
@@ -306,7 +311,7 @@ def _request_outcome(decode) -> tuple:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(attend_pairs())
 def test_a_native_request_whose_head_repeats_decodes_as_the_whole_message_would(pair: tuple[bytes, bytes]) -> None:
-    parser = Parser(pb.AttendRequest, NATIVE_FIELDS)
+    parser = Parser(pb.AttendRequest, NATIVE_FIELDS, "request_id")
     first, second = pair
     for _ in range(2):  # a head decoded twice is kept
         _request_outcome(lambda: request_from_proto(parser(first), SPEC))

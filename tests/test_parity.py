@@ -202,21 +202,27 @@ def test_requests_of_one_shape_are_each_answered_from_their_own_bytes(parity) ->
     handle, refs = parity
     client = tc.InferenceServerClient(handle.target)
 
-    def kserve(q: np.ndarray, **named: np.ndarray) -> np.ndarray:
+    def kserve(q: np.ndarray, request_id: str = "", **named: np.ndarray) -> np.ndarray:
         inputs = []
         for name, array in {"query": q, **named}.items():
             tensor = tc.InferInput(name, list(array.shape), "BOOL" if array.dtype == bool else "FP32")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
-        return client.infer("cross" if "key" in named else "self", inputs).as_numpy("output")
+        result = client.infer("cross" if "key" in named else "self", inputs, request_id=request_id)
+        assert result.get_response().id == request_id  # its own id, whatever its length
+        return result.as_numpy("output")
 
     try:
         with Client(handle.target) as c:
             for seed in range(4):
                 rng = np.random.default_rng(seed)
                 q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 5, E), (2, 3, 24), (2, 3, 40)))
+                request_id = "r" * (1 + 100 * seed)  # ids of other lengths do not hide a repeated head
                 close(kserve(q), reference(refs["self"], q, q, q)[0])
-                close(c.attend(q, model="self").output, reference(refs["self"], q, q, q)[0])
+                close(kserve(q, request_id), reference(refs["self"], q, q, q)[0])
+                got = c.attend(q, model="self", request_id=request_id)
+                assert got.request_id == request_id
+                close(got.output, reference(refs["self"], q, q, q)[0])
                 close(kserve(q, key=k, value=v), reference(refs["cross"], q, k, v)[0])
                 close(c.attend(q, model="cross", key=k, value=v).output, reference(refs["cross"], q, k, v)[0])
             mask = np.zeros((2, 5), dtype=bool)

@@ -179,10 +179,18 @@ def _rebuilt(received: payload.Received) -> v2.ModelInferRequest:
     return msg
 
 
-def _head(n: int) -> bytes:
-    msg = v2.ModelInferRequest(model_name="default", id="" if n % 2 else f"id{n}")
+# Request ids: none, short, long enough for a two-byte length, not ASCII, and bytes that are not UTF-8.
+IDS = [b"", b"a", b"bb", b"x" * 130, "é".encode(), b"\xff\xfe"]
+
+
+def _head(n: int, request_id: bytes = b"") -> bytes:
+    """A request's fields but its tensors', its id among them (written by hand: it may not be UTF-8)."""
+    msg = v2.ModelInferRequest(model_name="default", model_version="1")
     msg.inputs.add(name="query", datatype="FP32", shape=[1, n, 4])
-    return msg.SerializeToString()
+    head = msg.SerializeToString()
+    cut = len(v2.ModelInferRequest(model_name="default", model_version="1").SerializeToString())
+    request_field = varint(3 << 3 | 2) + varint(len(request_id)) + request_id if request_id else b""
+    return head[:cut] + request_field + head[cut:]  # in field order: model_name, model_version, id, inputs
 
 
 @st.composite
@@ -196,7 +204,8 @@ def message_streams(draw) -> list[bytes]:
         else:
             lengths = draw(st.lists(st.sampled_from([0, 1, 3, 5, 130]), max_size=3))
             entries = [bytes([draw(st.integers(0, 255))]) * n for n in lengths]
-            data = _head(draw(st.integers(1, 3))) + v2.ModelInferRequest(raw_input_contents=entries).SerializeToString()
+            head = _head(draw(st.integers(1, 3)), draw(st.sampled_from(IDS)))
+            data = head + v2.ModelInferRequest(raw_input_contents=entries).SerializeToString()
         if draw(st.integers(0, 7)) == 0:
             data = data[: draw(st.integers(0, max(len(data) - 1, 0)))]
         stream.append(data)
@@ -204,11 +213,13 @@ def message_streams(draw) -> list[bytes]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(message_streams(), st.integers(1, 3), st.integers(0, 3))
+@given(message_streams(), st.integers(1, 3), st.integers(0, 3), st.sampled_from([None, "id"]))
 def test_a_parser_returns_the_message_protobuf_parses_whatever_it_saw_before(
-    stream: list[bytes], capacity: int, back_off: int
+    stream: list[bytes], capacity: int, back_off: int, request_id: str | None
 ) -> None:
-    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS, capacity=capacity, back_off=back_off)
+    parser = payload.Parser(
+        v2.ModelInferRequest, kserve.TENSOR_FIELDS, request_id, capacity=capacity, back_off=back_off
+    )
     for data in stream:
         try:
             expected = v2.ModelInferRequest.FromString(data)
@@ -259,16 +270,21 @@ def _native_rebuilt(received: payload.Received) -> pb.AttendRequest:
 @given(st.lists(attend_request_parts(), min_size=1, max_size=6), st.data())
 def test_a_native_parser_returns_the_message_protobuf_parses_whatever_it_saw_before(streams, data) -> None:
     """Each message, then the same with other tensor bytes of the same lengths: a repeated head."""
-    parser = payload.Parser(pb.AttendRequest, NATIVE_FIELDS, capacity=2, back_off=1)
+    parser = payload.Parser(pb.AttendRequest, NATIVE_FIELDS, "request_id", capacity=2, back_off=1)
+    request_id = pb.AttendRequest.DESCRIPTOR.fields_by_name["request_id"].number
     for parts in streams:
         wire = b"".join(parts)
         variants = [wire]
-        cut = payload._cut(wire, NATIVE_FIELDS)
-        if cut is not None:  # the same bytes but for the tensors'
+        cut = payload._cut(wire, NATIVE_FIELDS, request_id)
+        if cut is not None:  # the same bytes but for the tensors', and then another id
             other = bytearray(wire)
             for _, start, end in cut[1]:
                 other[start:end] = data.draw(st.binary(min_size=end - start, max_size=end - start))
             variants.append(bytes(other))
+            if cut[2] is not None:
+                at, _, end = cut[2]
+                own = data.draw(st.sampled_from(IDS))
+                variants.append(bytes(other[:at]) + varint(len(own)) + own + bytes(other[end:]))
         for message in variants:
             try:
                 expected = pb.AttendRequest.FromString(message)
@@ -290,3 +306,22 @@ def test_a_parser_stops_remembering_heads_that_never_repeat_for_a_while() -> Non
     assert [parser(request(i)).repeat for i in "def"] == [None] * 3  # ...so three are parsed plainly
     first = parser(request("g"))
     assert first.repeat is not None and parser(request("g")).repeat is first.repeat  # and it tries again
+
+
+def test_requests_with_their_own_ids_share_a_head_and_keep_their_ids() -> None:
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS, "id")
+
+    def request(request_id: bytes, fill: bytes) -> bytes:
+        return _head(3, request_id) + v2.ModelInferRequest(raw_input_contents=[fill * 5]).SerializeToString()
+
+    first = parser(request(b"a", b"1"))
+    for request_id in (b"b", b"x" * 130, b"a"):  # other values, other lengths, a two-byte length
+        data = request(request_id, b"2")
+        got = parser(data)
+        assert got.repeat is first.repeat and got.message.id == request_id.decode()
+        assert got.views[RAW] == [b"2" * 5] and got.views[RAW][0].obj is data
+    assert first.message.id == "a"  # the head's own message is never changed
+    assert parser(request(b"", b"2")).repeat is not first.repeat  # no id at all: a head of its own
+    assert parser(request(b"a", b"3")).message is first.message  # its own id: the shared message
+    with pytest.raises(DecodeError):  # an id protobuf refuses is refused as protobuf refuses it
+        parser(request(b"\xff", b"4"))

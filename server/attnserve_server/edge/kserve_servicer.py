@@ -41,6 +41,7 @@ def _server_version() -> str:
 class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     # The inference methods get their requests as payload.Received (registration.add_service).
     TENSOR_FIELDS = {"ModelInfer": kserve.TENSOR_FIELDS, "ModelStreamInfer": kserve.TENSOR_FIELDS}
+    REQUEST_ID = "id"  # each request may carry its own: payload.Parser lets it differ
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatch = dispatcher

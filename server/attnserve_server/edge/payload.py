@@ -15,11 +15,12 @@ protobuf parses the whole message as before, and reports any error itself.
 
 Most request streams repeat one head: a client, a load generator, an application sends request after
 request whose fields other than the tensor bytes (model, inputs' names, datatypes and shapes,
-parameters) are the same bytes each time. A `Parser` remembers the heads it has seen: a message of
-a known head's length whose bytes are the head's everywhere but in its tensors' bytes is not parsed
-again. It gets the head's message (one object, shared by every such request: read-only) and its
-tensor bytes as views, and the decoder may keep what it made of the head (`Repeat.decoded`) for the
-next one. Under load at L=16 the loop spent ~12% of its GIL time decoding (py-spy, BENCHMARKS.md,
+parameters) are the same bytes each time, and at most the request's id differs. A `Parser`
+remembers the heads it has seen: a message whose bytes are a known head's everywhere but in its
+tensors' bytes and its id is not parsed again. It gets the head's message (one object, shared by
+every such request with the head's own id: read-only; a copy with its id otherwise) and its tensor
+bytes as views, and the decoder may keep what it made of the head (`Repeat.decoded`) for the next
+one. Under load at L=16 the loop spent ~12% of its GIL time decoding (py-spy, BENCHMARKS.md,
 eighteenth pass).
 """
 
@@ -46,36 +47,81 @@ _NO_VIEWS: Mapping[int, list[memoryview]] = MappingProxyType({})  # shared: a sm
 
 class Repeat:
     """A head seen before: the message it parses to, and the bytes of a message with this head but
-    for the tensors' bytes, which are holes of fixed lengths."""
+    for the tensors' bytes, which are holes of fixed lengths, and its request id, which may be of any
+    length (the bytes after it then lie that much further on)."""
 
-    __slots__ = ("decoded", "fixed", "hits", "holes", "message", "size")
+    __slots__ = ("_after", "_id", "decoded", "fixed", "hits", "holes", "message", "size")
 
-    def __init__(self, data: bytes, holes: list[Hole], message) -> None:
+    def __init__(
+        self, data: bytes, holes: list[Hole], message, request_id: tuple[str, int, int, int] | None = None
+    ) -> None:
         self.size = len(data)
         self.holes = tuple(holes)
+        # `request_id`: the id field's name, where its length starts, where its value starts and ends.
+        # Its length and value are a hole of their own: (its name, where, where it ends, its value).
+        self._id: tuple[str, int, int, bytes] | None = None
+        cuts = sorted(holes, key=lambda hole: hole[1])
+        if request_id is not None:
+            name, at, value, end = request_id
+            self._id = (name, at, end, data[value:end])
+            cuts = sorted([*cuts, (0, at, end)], key=lambda hole: hole[1])
         fixed: list[tuple[int, bytes]] = []  # (where, the bytes there) between the holes
         at = 0
-        for _, start, end in (*holes, (0, len(data), len(data))):
+        for _, start, end in (*cuts, (0, len(data), len(data))):
             if start > at:
                 fixed.append((at, data[at:start]))
             at = end
         self.fixed = tuple(fixed)
+        # Where the parts that move with the id's length start: the first after it.
+        self._after = (
+            len(fixed)
+            if self._id is None
+            else next((i for i, (at, _) in enumerate(fixed) if at >= self._id[2]), len(fixed))
+        )
         self.message = message  # the head parsed: shared by every message with this head, never changed
         self.hits = 0  # messages since the first that had this head
         # What a decoder made of this head for a model, for the next message with it (kserve.decode).
         self.decoded: object = None
 
-    def match(self, data: bytes) -> dict[int, list[memoryview]] | None:
-        """`data`'s tensor bytes as views when it is this head with other tensor bytes, else None.
+    def match(self, data: bytes) -> tuple[object, dict[int, list[memoryview]]] | None:
+        """`data`'s message and tensor bytes as views when it is this head with other tensor bytes
+        (and another id), else None.
 
-        Same length, and the same bytes everywhere but in the holes: then protobuf would parse it to
-        the head's message with the holes' bytes as its tensors (bytes fields take any bytes)."""
-        if len(data) != self.size:
-            return None
-        for at, fixed in self.fixed:
-            if not data.startswith(fixed, at):
+        The same bytes everywhere but in the holes, and a length that accounts for them: then
+        protobuf would parse it to the head's message with the holes' bytes as its tensors (bytes
+        fields take any bytes) and its own id, if that is UTF-8."""
+        shift = 0
+        request_id = self._id
+        if request_id is not None:
+            name, at, end, value = request_id
+            try:
+                length, start = _read_varint(data, at)
+            except _Unexpected:
                 return None
-        return _views(data, self.holes)
+            shift = start + length - end
+        if len(data) != self.size + shift:
+            return None
+        fixed, after = self.fixed, self._after
+        for i in range(len(fixed)):
+            at, part = fixed[i]
+            if not data.startswith(part, at + shift if i >= after else at):
+                return None
+        message = self.message
+        if request_id is not None:
+            own = data[start : start + length]
+            if own != value:
+                try:
+                    text = own.decode()
+                except UnicodeDecodeError:
+                    return None  # protobuf refuses it: parsed whole, it says so
+                message = type(message)()
+                message.CopyFrom(self.message)
+                setattr(message, name, text)
+            if shift:
+                moved = request_id[2]
+                holes = [(n, a + shift, b + shift) if a >= moved else (n, a, b) for n, a, b in self.holes]
+                return message, _views(data, holes)
+        return message, _views(data, self.holes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,16 +182,22 @@ def _fields(data: bytes, start: int, end: int):
 Hole = tuple[int, int, int]
 
 
-def _cut(data: bytes, fields: Fields) -> tuple[bytes, list[Hole]] | None:
-    """The message `data` without the tensor bytes `fields` name, and where those bytes are; None
-    where the scanner steps aside (the module's note says when)."""
+def _cut(
+    data: bytes, fields: Fields, request_id: int | None = None
+) -> tuple[bytes, list[Hole], tuple[int, int, int] | None] | None:
+    """The message `data` without the tensor bytes `fields` name, where those bytes are, and where
+    field `request_id` has its length and its value (start, end) when it comes once; None where the
+    scanner steps aside (the module's note says when)."""
     view = memoryview(data)
     kept: list[bytes | memoryview] = []
     holes: list[Hole] = []
+    ids: list[Hole] = []
     nested_seen: set[int] = set()
     at = 0  # data[at:] not yet kept or cut
     try:
         for number, wire, start, value, end in _fields(data, 0, len(data)):
+            if number == request_id and wire == _LENGTH_DELIMITED:
+                ids.append((_read_varint(data, start)[1], value, end))  # where its length starts, its value
             if number not in fields:
                 continue
             if wire != _LENGTH_DELIMITED:
@@ -174,10 +226,11 @@ def _cut(data: bytes, fields: Fields) -> tuple[bytes, list[Hole]] | None:
             at = end
     except _Unexpected:
         return None
+    found = ids[0] if len(ids) == 1 else None  # twice: protobuf keeps the last; not a hole then
     if not at:  # nothing cut (typed contents, say): the message as it came, not a copy of it
-        return data, holes
+        return data, holes, found
     kept.append(view[at:])
-    return b"".join(kept), holes
+    return b"".join(kept), holes, found
 
 
 def _views(data: bytes, holes: list[Hole] | tuple[Hole, ...]) -> dict[int, list[memoryview]]:
@@ -198,7 +251,7 @@ def split(data: bytes, fields: Fields) -> tuple[bytes, dict[int, list[memoryview
     got = _cut(data, fields)
     if got is None:
         return None
-    rest, holes = got
+    rest, holes, _ = got
     return rest, _views(data, holes)
 
 
@@ -213,42 +266,55 @@ def parse(cls, data: bytes, fields: Fields) -> Received:
     return Received(cls.FromString(data))
 
 
+_WITH_IDS = 4  # heads with an id a Parser tries whatever the message's length
+
+
 class Parser(Generic[M]):
     """`parse` for one request type, with the heads it has seen remembered (the module's note):
     up to `capacity` heads, one per message length, the oldest forgotten first. Runs on one thread
     (the event loop's).
 
     Remembering a head costs a scan of the message in Python (~5 µs for a W1 request). Where heads do
-    not repeat (a client that sends every request with its own id) that is all it costs, so after
+    not repeat (every request of another shape, say) that is all it costs, so after
     `capacity` heads in a row forgotten unused, the next `back_off` messages are parsed as `parse`
     does, and then it tries again."""
 
-    def __init__(self, cls: type[M], fields: Fields, capacity: int = 64, back_off: int = 1024) -> None:
+    def __init__(
+        self, cls: type[M], fields: Fields, request_id: str | None = None, capacity: int = 64, back_off: int = 1024
+    ) -> None:
         self._cls = cls
         self._fields = fields
+        # A top-level string field each request may set to its own value: an id of any length.
+        self._request_id_name = request_id
+        self._request_id = None if request_id is None else cls.DESCRIPTOR.fields_by_name[request_id].number  # type: ignore[attr-defined]
         self._capacity = capacity
         self._back_off = back_off
         self._by_size: dict[int, Repeat] = {}  # one head per message length: the latest
+        self._with_ids: list[Repeat] = []  # heads with an id, latest first: tried when an id's length differs
         self._unused = 0  # heads forgotten in a row without a repeat
         self._plain = 0  # messages still to parse without remembering their heads
 
     def __call__(self, data: bytes) -> Received[M]:
         """`data` as a message, like `parse`; raises protobuf's DecodeError for bytes that are not one."""
         repeat = self._by_size.get(len(data))
-        if repeat is not None:
-            views = repeat.match(data)
-            if views is not None:
-                repeat.hits += 1
-                self._unused = 0
-                return Received(repeat.message, views, repeat)
+        got = None if repeat is None else repeat.match(data)
+        if got is None:
+            for repeat in self._with_ids:
+                if (got := repeat.match(data)) is not None:
+                    break
+        if got is not None:
+            repeat.hits += 1  # type: ignore[union-attr]
+            self._unused = 0
+            return Received(got[0], got[1], repeat)  # type: ignore[arg-type]
         if self._plain:
             self._plain -= 1
             return parse(self._cls, data, self._fields)
-        got = _cut(data, self._fields)
-        if got is None or not got[1]:  # left to protobuf, or no tensor bytes (typed contents): none kept
+        cut = _cut(data, self._fields, self._request_id)
+        if cut is None or not cut[1]:  # left to protobuf, or no tensor bytes (typed contents): none kept
             return Received(self._cls.FromString(data))
-        rest, holes = got
-        repeat = Repeat(data, holes, self._cls.FromString(rest))
+        rest, holes, request_id = cut
+        named = None if request_id is None else (self._request_id_name, *request_id)
+        repeat = Repeat(data, holes, self._cls.FromString(rest), named)  # type: ignore[arg-type]
         forgotten = self._by_size.get(len(data))
         if forgotten is None and len(self._by_size) >= self._capacity:
             forgotten = self._by_size.pop(next(iter(self._by_size)))
@@ -257,6 +323,6 @@ class Parser(Generic[M]):
             if self._unused >= self._capacity:
                 self._unused, self._plain = 0, self._back_off
         self._by_size[len(data)] = repeat
-        views = repeat.match(data)
-        assert views is not None  # the head and entries just found
-        return Received(repeat.message, views, repeat)
+        if request_id is not None:
+            self._with_ids = [repeat, *self._with_ids[: _WITH_IDS - 1]]
+        return Received(repeat.message, _views(data, holes), repeat)

@@ -93,11 +93,11 @@ class CallsInFlight:
             self._idle = None
 
 
-def _parser(cls, fields: payload.Fields | None):
+def _parser(cls, fields: payload.Fields | None, request_id: str | None):
     """Bytes -> the request message (a `payload.Received` where `fields` names its tensor bytes), or
     an Undecodable."""
     name = cls.DESCRIPTOR.full_name
-    read = cls.FromString if fields is None else payload.Parser(cls, fields)
+    read = cls.FromString if fields is None else payload.Parser(cls, fields, request_id)
 
     def parse(data: bytes):
         try:
@@ -180,8 +180,10 @@ def add_service(
     """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED);
     with `auth`, every call needs a known bearer token; with `calls`, every call is counted while
     its handler runs. A method named in the servicer's `TENSOR_FIELDS` gets its requests as
-    `payload.Received`, their tensor bytes uncopied."""
+    `payload.Received`, their tensor bytes uncopied; the servicer's `REQUEST_ID` names the field in
+    which each request may carry an id of its own without losing its repeated head (payload.Parser)."""
     tensor_fields: dict[str, payload.Fields] = getattr(servicer, "TENSOR_FIELDS", {})
+    request_id: str | None = getattr(servicer, "REQUEST_ID", None)  # its requests' id field, if any
     handlers = {}
     for method in service.methods:
         behaviour = getattr(servicer, method.name, None)
@@ -194,7 +196,9 @@ def add_service(
             behaviour = _streaming(behaviour, auth, calls) if wrap else behaviour
         handlers[method.name] = _KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
-            request_deserializer=_parser(GetMessageClass(method.input_type), tensor_fields.get(method.name)),
+            request_deserializer=_parser(
+                GetMessageClass(method.input_type), tensor_fields.get(method.name), request_id
+            ),
             response_serializer=_serializer(GetMessageClass(method.output_type)),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -28,6 +28,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # The inference methods get their requests as payload.Received (registration.add_service).
     TENSOR_FIELDS = {"Attend": TENSOR_FIELDS, "AttendStream": TENSOR_FIELDS}
+    REQUEST_ID = "request_id"  # each request may carry its own: payload.Parser lets it differ
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatch = dispatcher
