@@ -129,7 +129,8 @@ class Received(Generic[M]):
     """A request message, and the bytes of the fields cut out of it before it was parsed: by
     top-level field number, in the order they came. Empty when the message was parsed whole.
 
-    `message` is read-only: when `repeat` is set it is its head's message, shared with other requests."""
+    `message` is read-only: when `repeat` is set it may be its head's message, shared with other
+    requests (payload.Parser)."""
 
     message: M
     views: Mapping[int, list[memoryview]] = field(default_factory=lambda: _NO_VIEWS)
