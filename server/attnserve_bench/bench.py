@@ -78,6 +78,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="sync,async",
         help="with --perf-analyzer: comma list of sync, async, streaming (default sync,async)",
     )
+    p.add_argument(
+        "--pa-stability",
+        type=float,
+        default=50.0,
+        metavar="PERCENT",
+        help="with --perf-analyzer: the spread its windows may show and still count as stable, in per cent "
+        "(default 50: a noisy machine); it tries 5 windows, then fails the level",
+    )
     g = p.add_argument_group("server started by bench (ignored with --target)")
     g.add_argument("--kind", default="mha")
     g.add_argument("--embed-dim", type=int, default=256)

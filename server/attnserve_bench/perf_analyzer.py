@@ -73,8 +73,8 @@ def command(
         *("--input-data", data_path, "-b", str(args.batch)),
         *("--concurrency-range", f"{concurrency}:{concurrency}"),
         *("--measurement-interval", str(int(args.duration_s * 1000))),
-        # This machine is noisy: accept 50% spread between windows, and stop after 5 tries.
-        *("--stability-percentage", "50", "--max-trials", "5", "-f", csv_path),
+        # A noisy machine: accept a wide spread between windows (--pa-stability), and stop after 5 tries.
+        *("--stability-percentage", f"{args.pa_stability:g}", "--max-trials", "5", "-f", csv_path),
     ]
     if mode == "async":
         cmd.append("--async")
