@@ -324,3 +324,15 @@ def test_requests_with_their_own_ids_share_a_head_and_keep_their_ids() -> None:
     assert parser(request(b"a", b"3")).message is first.message  # its own id: the shared message
     with pytest.raises(DecodeError):  # an id protobuf refuses is refused as protobuf refuses it
         parser(request(b"\xff", b"4"))
+
+
+def test_a_large_head_is_parsed_but_not_remembered() -> None:
+    """Typed contents beside a raw entry: the head itself is large; keeping it would pin it."""
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+    msg = v2.ModelInferRequest(model_name="m", raw_input_contents=[b"abc"])
+    msg.inputs.add(name="key_value", datatype="FP32").contents.fp32_contents.extend([0.5] * 8192)  # 32 KiB
+    data = msg.SerializeToString()
+    for _ in range(2):
+        received = parser(data)
+        assert received.repeat is None and _rebuilt(received) == msg
+        assert received.views[RAW][0].obj is data

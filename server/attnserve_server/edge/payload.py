@@ -268,6 +268,10 @@ def parse(cls, data: bytes, fields: Fields) -> Received:
 
 
 _WITH_IDS = 4  # heads with an id a Parser tries whatever the message's length
+# The most a remembered head may hold (its bytes and its message): a request's names, shapes and
+# parameters take a few hundred; a larger one (typed contents beside a raw entry, unknown fields) is
+# parsed as `parse` does and not kept, so `capacity` heads cannot pin `capacity` large messages.
+MAX_HEAD_BYTES = 16 << 10
 
 
 class Parser(Generic[M]):
@@ -314,6 +318,8 @@ class Parser(Generic[M]):
         if cut is None or not cut[1]:  # left to protobuf, or no tensor bytes (typed contents): none kept
             return Received(self._cls.FromString(data))
         rest, holes, request_id = cut
+        if len(rest) > MAX_HEAD_BYTES:
+            return Received(self._cls.FromString(rest), _views(data, holes))
         named = None if request_id is None else (self._request_id_name, *request_id)
         repeat = Repeat(data, holes, self._cls.FromString(rest), named)  # type: ignore[arg-type]
         forgotten = self._by_size.get(len(data))
