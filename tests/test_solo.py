@@ -184,8 +184,8 @@ class ThreadNamingWorker(DeviceWorker):
 
 
 def two_thread_settings(**fields):
-    """This suite's tiny model with every batch on two intra-op threads, as a W1 request runs: solo
-    takes only requests that run on more than one (model.py)."""
+    """This suite's tiny model with every batch on two intra-op threads, solo or on the worker, as a
+    large request runs: the same threads in both places, so their answers match bit for bit."""
     return settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=2, small_batch_macs=0, **fields)
 
 
@@ -272,15 +272,23 @@ def test_a_request_too_large_for_the_loop_runs_on_the_worker_even_when_quiet() -
         assert ThreadNamingWorker.ran_on[-1] != handle.loop_thread_name()
 
 
-def test_a_request_small_enough_for_one_thread_stays_on_the_worker() -> None:
-    # The default rule runs a lone request under 10 M multiply-adds on one thread (compute/threads.py);
-    # this suite's model is far below it.
+def test_a_request_small_enough_for_one_thread_runs_solo_on_one_thread() -> None:
+    # The default rule runs a lone request under ALONE_FLOOR_MACS on one thread (compute/threads.py),
+    # solo too: it then wakes no other thread. This suite's model is far below it.
     ThreadNamingWorker.ran_on = []
     config = settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=2)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+        one = handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="1")
         for _ in range(STREAK + 4):
             c.attend(np.ones((1, 8, E), dtype=np.float32))
-        assert handle.loop_thread_name() not in ThreadNamingWorker.ran_on
+        assert ThreadNamingWorker.ran_on[-4:] == [handle.loop_thread_name()] * 4
+        solo = handle.sample("attnserve_solo_batches_total", model="default")
+        assert solo == 4
+        # every one of them on one thread, solo or not
+        assert (
+            handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="1") == one + STREAK + 4
+        )
+        assert handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="2") == 0
 
 
 def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:

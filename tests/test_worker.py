@@ -232,7 +232,8 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
     ("most", "macs", "requests", "small", "expected"),
     [
         (2, 5_000_000, 1, SMALL_BATCH_MACS, 1),  # too small to gain from two threads even alone
-        (2, 19_000_000, 1, SMALL_BATCH_MACS, 2),  # alone (one W1 sequence): every thread
+        (2, 19_000_000, 1, SMALL_BATCH_MACS, 1),  # alone, one W1 sequence: a second thread's wake-ups cost more
+        (2, 42_000_000, 1, SMALL_BATCH_MACS, 2),  # alone, large enough (L=128) to gain from every thread
         (2, 35_000_000, 8, SMALL_BATCH_MACS, 1),  # several requests, little work: the loop needs a core
         (2, 226_000_000, 12, SMALL_BATCH_MACS, 2),  # several requests, enough work for two
         (2, 5_000_000, 8, 0, 2),  # the rule off: every batch on every thread
@@ -340,7 +341,8 @@ def test_warm_up_batches_do_not_train_the_thread_choice() -> None:
 @pytest.mark.parametrize(
     ("rule", "most", "macs", "requests", "expected"),
     [
-        (CpuThreads(), 2, 19_000_000, 1, 2),  # a lone request: every thread, its latency matters
+        (CpuThreads(), 2, 42_000_000, 1, 2),  # a lone request over the floor: every thread, its latency matters
+        (CpuThreads(), 2, 19_000_000, 1, 1),  # a lone request under it: one, by size
         (CpuThreads(), 2, 35_000_000, 8, 1),  # below small_batch_macs: one, by size
         (CpuThreads(), 1, MEASURED, 12, 1),  # one thread configured: nothing to choose
         (CpuThreads(None, 0), 2, MEASURED, 12, 2),  # the size rule off: every thread
@@ -396,11 +398,11 @@ def test_the_worker_sets_each_batchs_threads_on_its_own_thread() -> None:
 
     w = worker(torch_threads=2)
     try:
-        # 64 sequences of L=64 at E=16: 12.6 M multiply-adds, over the floor for a request alone
-        assert threads_after(w, (64, 64, 16)) == 2
+        # 128 sequences of L=64 at E=16: 25.2 M multiply-adds, over the floor for a request alone
+        assert threads_after(w, (128, 64, 16)) == 2
         assert threads_after(w, (1, 4, 16), (1, 4, 16)) == 1  # two small requests
-        assert threads_after(w, (32, 64, 16), (32, 64, 16)) == 1  # the same work as two requests
-        assert threads_after(w, (64, 64, 16)) == 2  # and back
+        assert threads_after(w, (64, 64, 16), (64, 64, 16)) == 1  # the same work as two requests
+        assert threads_after(w, (128, 64, 16)) == 2  # and back
     finally:
         w.close()
     w = worker(torch_threads=2, small_batch_macs=0)

@@ -160,21 +160,19 @@ class ServedModel:
             )
 
     def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
-        """With one CPU worker of one lane, a lone request may run on the event loop while the server
-        is quiet (solo.py): the worker's lane is idle then, and nothing else computes. Only requests
-        of at most `solo_macs` that run on more than one intra-op thread (compute/threads.py): those
-        gained (W1 at concurrency 1: p50 -8%), where one small enough for one thread did not (L=1:
-        the same; L=16: +6%; BENCHMARKS.md, ninth pass)."""
+        """With one CPU worker of one lane, a lone request of at most `solo_macs` may run on the event
+        loop while the server is quiet (solo.py): the worker's lane is idle then, and nothing else
+        computes. It runs on the intra-op threads the size rule gives a lone request
+        (compute/threads.py): one below ALONE_FLOOR_MACS, W1 included, so that it wakes no other
+        thread at all. At concurrency 1 that served L=16 with a 7% lower p50 than the worker's thread
+        did, L=1 3%, and W1 6-9% lower than solo on two threads (BENCHMARKS.md, nineteenth pass)."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return
         spec, most_macs = self.spec, self._solo_macs
-        threads = self._threads or CpuThreads()
-        most_threads = threads.count or torch.get_num_threads()
 
         def eligible(r: AttentionRequest) -> bool:
-            macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
-            return macs <= most_macs and threads.for_batch(most_threads, macs, 1) > 1
+            return compute_macs(spec, r.sequences, r.query_len, r.key_len) <= most_macs
 
         report = self._reporter(workers[0])
 

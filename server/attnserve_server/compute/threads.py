@@ -34,9 +34,14 @@ import math
 import statistics
 from dataclasses import dataclass
 
-# Below this many multiply-adds one thread is faster even with the machine to itself (L=1: 607 ->
-# 561 µs p50 at concurrency 1); a single W1 sequence (19 M) is faster on two.
-ALONE_FLOOR_MACS = 10_000_000
+# Below this many multiply-adds a lone request runs on one thread even with the machine to itself. A
+# second thread must be woken on the other core at each parallel region its short spin (openmp.py)
+# does not bridge, and on the 2-vCPU VM of BENCHMARKS.md a wake there costs 35-90 µs
+# (scripts/thread_wakes.py: a round trip of two wakes 66-178 µs, 13-24 on one CPU). At concurrency 1
+# one thread served W1 (19 M) with a 5-9% lower p50 than two, L=96 (30 M) the same, L=128 (42 M) 10%
+# slower (nineteenth pass); on the AMD VM of the sixth pass two threads were 8% faster at W1, so
+# another machine may want it lower.
+ALONE_FLOOR_MACS = 24_000_000
 # A batch of several requests below this runs on one thread (the server's --small-batch-macs).
 SMALL_BATCH_MACS = 128_000_000
 # Every thread must compute a batch of several requests at least this much faster than one to be used
