@@ -2,9 +2,11 @@
 # A paired A/B on a noisy machine: two servers run at once, and perf_analyzer (KServe v2, sync) drives
 # them in turn, A then B, then B then A, N times. The host's slow and fast phases then fall on both
 # arms alike; compare the pairs, not runs minutes apart. The idle server sleeps meanwhile (its idle
-# spinners stop 2 ms after its last request). Prints one line per pair: "req/s/p50 µs" of each arm.
+# spinners stop 2 ms after its last request). Prints one line per pair: "req/s/p50 µs" of each arm,
+# then the medians of B/A over the pairs.
 #
 #   A="VAR=x ..." B="VAR=y ..." ARGS_A="serve flags" ARGS_B="serve flags" scripts/pair.sh
+#   (A and B go before the server command through env: variables, or a command, e.g. B="taskset -c 0")
 #   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
 #        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three)
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" C=1 L=256 scripts/pair.sh
@@ -36,5 +38,17 @@ one() {
 }
 for i in $(seq "${N:-6}"); do
   if [ $((i % 2)) = 1 ]; then a=$(one "$PORT_A"); b=$(one "$PORT_B"); else b=$(one "$PORT_B"); a=$(one "$PORT_A"); fi
-  echo "A $a  B $b"
+  echo "A $a  B $b" | tee -a "$OUT/pairs"
 done
+# The pairs' medians of B/A, and how many pairs B won: two identical arms read 0.96-1.00 over 10 pairs
+# of 0.7 s windows on the VM of BENCHMARKS.md (nineteenth pass), so trust a median further from 1.
+.venv/bin/python - "$OUT/pairs" <<'PY'
+import statistics, sys
+pairs = [[[float(x) for x in arm.split("/")] for arm in line.split()[1::2]] for line in open(sys.argv[1])]
+pairs = [(a, b) for a, b in pairs if a[0] > 0 and b[0] > 0 and a[1] > 0 and b[1] > 0]
+if pairs:
+    rate = [b[0] / a[0] for a, b in pairs]
+    p50 = [b[1] / a[1] for a, b in pairs]
+    print(f"{len(pairs)} pairs: req/s B/A median {statistics.median(rate):.3f} (B higher in {sum(r > 1 for r in rate)}), "
+          f"p50 B/A median {statistics.median(p50):.3f} (B lower in {sum(r < 1 for r in p50)})")
+PY
