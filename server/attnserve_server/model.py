@@ -164,8 +164,8 @@ class ServedModel:
         loop while the server is quiet (solo.py): the worker's lane is idle then, and nothing else
         computes. It runs on the intra-op threads the size rule gives a lone request
         (compute/threads.py): one below ALONE_FLOOR_MACS, W1 included, so that it wakes no other
-        thread at all. At concurrency 1 that served L=16 with a 7% lower p50 than the worker's thread
-        did, L=1 3%, and W1 6-9% lower than solo on two threads (BENCHMARKS.md, nineteenth pass)."""
+        thread at all. At concurrency 1 that served L=16 and L=1 with an 8% and 9% lower p50 than the
+        worker's thread did, and W1 5-8% lower than solo on two threads (BENCHMARKS.md, nineteenth pass)."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return

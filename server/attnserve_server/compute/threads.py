@@ -38,7 +38,7 @@ from dataclasses import dataclass
 # second thread must be woken on the other core at each parallel region its short spin (openmp.py)
 # does not bridge, and on the 2-vCPU VM of BENCHMARKS.md a wake there costs 35-90 µs
 # (scripts/thread_wakes.py: a round trip of two wakes 66-178 µs, 13-24 on one CPU). At concurrency 1
-# one thread served W1 (19 M) with a 5-9% lower p50 than two, L=96 (30 M) the same, L=128 (42 M) 10%
+# one thread served W1 (19 M) with a 5-8% lower p50 than two, L=96 (30 M) the same, L=128 (42 M) 10%
 # slower (nineteenth pass); on the AMD VM of the sixth pass two threads were 8% faster at W1, so
 # another machine may want it lower.
 ALONE_FLOOR_MACS = 24_000_000
