@@ -301,11 +301,11 @@ class Parser(Generic[M]):
 
     def __call__(self, data: bytes) -> Received[M]:
         """`data` as a message, like `parse`; raises protobuf's DecodeError for bytes that are not one."""
-        repeat = self._by_size.get(len(data))
-        got = None if repeat is None else repeat.match(data)
+        sized = repeat = self._by_size.get(len(data))
+        got = None if sized is None else sized.match(data)
         if got is None:
-            for repeat in self._with_ids:
-                if (got := repeat.match(data)) is not None:
+            for repeat in self._with_ids:  # the head of this length, if it has an id, was tried above
+                if repeat is not sized and (got := repeat.match(data)) is not None:
                     break
         if got is not None:
             repeat.hits += 1  # type: ignore[union-attr]
