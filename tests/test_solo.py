@@ -11,7 +11,7 @@ from test_batcher import WAIT_S, FakeRunner, Recorder, limits, start, stop, subm
 
 from attnserve import AsyncClient, AttnServeError, Client
 from attnserve_server.batching import Batcher
-from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.compute.worker import DEFAULT_THREADS, DeviceWorker
 from attnserve_server.errors import BatchFailed
 from attnserve_server.solo import SOLO_MACS, STREAK, SoloPolicy
 
@@ -289,6 +289,27 @@ def test_a_request_small_enough_for_one_thread_runs_solo_on_one_thread() -> None
             handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="1") == one + STREAK + 4
         )
         assert handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="2") == 0
+
+
+@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="torch uses one intra-op thread here by default")
+def test_a_lone_request_over_the_floor_runs_solo_on_every_thread_first_with_no_thread_count_configured() -> None:
+    """With --torch-threads unset, "every thread" is torch's default. Asked on the event loop's thread at
+    its first solo run it was 1: that thread starts from the count the worker's thread set last, here for
+    a small request, and every solo run then went to one thread. W1 at L=32 (8.9 M multiply-adds) is
+    over the floor for a lone request, so its thread count is measured, every thread first."""
+    ThreadNamingWorker.ran_on = []
+    config = settings(model(embed_dim=256, num_heads=8, device=CPU))
+    with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
+        for _ in range(STREAK):  # on the worker, each on one thread (under the floor)
+            c.attend(np.ones((1, 1, 256), dtype=np.float32))
+        two = handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads=str(DEFAULT_THREADS))
+        c.attend(np.ones((1, 32, 256), dtype=np.float32))
+        assert ThreadNamingWorker.ran_on[-1] == handle.loop_thread_name()
+        assert handle.sample("attnserve_solo_batches_total", model="default") == 1
+        assert (
+            handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads=str(DEFAULT_THREADS))
+            == two + 1
+        )
 
 
 def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:

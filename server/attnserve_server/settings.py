@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnserve_server.compute.threads import MIN_SPEEDUP, SMALL_BATCH_MACS
+from attnserve_server.compute.threads import ALONE_FLOOR_MACS, MIN_SPEEDUP, SMALL_BATCH_MACS
 from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
@@ -93,8 +93,8 @@ class ServerSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
-    # A larger CPU batch of several requests runs on every intra-op thread only while they measure this
-    # much faster than one (compute/threads.py); 0: always every thread.
+    # A larger CPU batch of several requests, or a lone request over ALONE_FLOOR_MACS, runs on every
+    # intra-op thread only while they measure this much faster than one (compute/threads.py); 0: always.
     min_parallel_speedup: float = MIN_SPEEDUP
     # On a quiet CPU server a lone request up to this many multiply-adds runs on the event loop (solo.py).
     solo_macs: int = SOLO_MACS
@@ -161,8 +161,10 @@ OPTIONS: tuple[Option, ...] = (
         "min-parallel-speedup",
         "server",
         float,
-        "a larger CPU batch of several requests runs on every intra-op thread only while they compute such"
-        " batches at least this many times faster than one thread, as measured; 0: always every thread"
+        "a larger CPU batch of several requests, or a lone request over"
+        f" {ALONE_FLOOR_MACS // 1_000_000} M multiply-adds, runs on every intra-op thread only while they"
+        " compute such batches at least this many times faster than one thread, as measured; 0: always"
+        " every thread"
         f" (default {MIN_SPEEDUP})",
     ),
     Option(

@@ -26,6 +26,12 @@ thread then leaves the loop its core, costs 5-10% less CPU per request and serve
 at concurrency 32, whose loop is far less busy, still ran 1.16x faster on two, and lost 15% on one.
 So each worker thread times such batches on both and runs them on every thread only while that
 measures at least `min_speedup` times faster than one.
+
+A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
+decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran
+faster on one thread on the Intel VM of BENCHMARKS.md's later passes and on two on the AMD VM of
+its sixth pass. Each thread keeps its own: the event loop's times only its solo runs (a quiet
+server), a worker's the lone batches it gets (mostly under load).
 """
 
 from __future__ import annotations
@@ -34,14 +40,15 @@ import math
 import statistics
 from dataclasses import dataclass
 
-# Below this many multiply-adds a lone request runs on one thread even with the machine to itself. A
-# second thread must be woken on the other core at each parallel region its short spin (openmp.py)
-# does not bridge, and on the 2-vCPU VM of BENCHMARKS.md a wake there costs 35-90 µs
-# (scripts/thread_wakes.py: a round trip of two wakes 66-178 µs, 13-24 on one CPU). At concurrency 1
-# one thread served W1 (19 M) with a 5-8% lower p50 than two, L=96 (30 M) the same, L=128 (42 M) 10%
-# slower (nineteenth pass); on the AMD VM of the sixth pass two threads were 8% faster at W1, so
-# another machine may want it lower.
-ALONE_FLOOR_MACS = 24_000_000
+# Below this many multiply-adds a lone request runs on one thread even with the machine to itself;
+# above it, on whichever its thread measures faster (ThreadChooser). A second thread must be woken on
+# the other core at each parallel region its short spin (openmp.py) does not bridge, and on the 2-vCPU
+# VM of BENCHMARKS.md a wake there costs 35-90 µs (scripts/thread_wakes.py: a round trip of two wakes
+# 66-178 µs, 13-24 on one CPU). At concurrency 1 one thread served W1 (19 M) with a 5-8% lower p50
+# than two, L=96 (30 M) the same, L=128 (42 M) 10% slower (nineteenth pass); on the AMD VM of the
+# sixth pass two threads were 8% faster at W1. Under this floor (L=32 at E=256 is 8.9 M) a second
+# thread lost on both (five L=1 sequences, 1.3 M: 18 against 62 µs a sequence).
+ALONE_FLOOR_MACS = 8_000_000
 # A batch of several requests below this runs on one thread (the server's --small-batch-macs).
 SMALL_BATCH_MACS = 128_000_000
 # Every thread must compute a batch of several requests at least this much faster than one to be used
@@ -50,8 +57,12 @@ SMALL_BATCH_MACS = 128_000_000
 MIN_SPEEDUP = 1.05
 # One batch in PROBE_EVERY runs on the arm not in use, to keep its estimate current; each estimate is
 # an exponentially weighted mean of seconds per multiply-add with this weight for the newest batch.
+# Batches under load vary by a third or more (p10 to p90), and with a weight of 0.25 each mean wandered
+# ~13%: W1 at concurrency 32, two threads 6% slower a request than one, ran 26-32% of its batches on
+# two, most of them after a probe of one thread had come out slow. With 0.1, 2-5% (probes); a lasting
+# change still moves the choice within ~8 batches (BENCHMARKS.md, twentieth pass).
 PROBE_EVERY = 32
-WEIGHT = 0.25
+WEIGHT = 0.1
 # A probe costs what the other arm takes beyond the chosen one, so probes come further apart than
 # PROBE_EVERY when that arm is much slower: at most this share of the compute time goes to probing.
 # WL (E=1024, L=256) computes ~1.9x as fast on two threads (in-process 9.0 against 17.3 ms a
@@ -75,8 +86,9 @@ SPIKE = 1.5
 @dataclass(frozen=True)
 class CpuThreads:
     """A CPU worker's intra-op threads: `count` at most (None: torch's default, one per core), one for
-    small batches (small_batch_macs 0: every batch on `count`), and for larger batches of several
-    requests whichever measures better (min_speedup 0: every thread, not measured)."""
+    small batches (small_batch_macs 0: every batch on `count`), and for larger batches, and lone
+    requests over ALONE_FLOOR_MACS, whichever measures better (min_speedup 0: every thread, not
+    measured)."""
 
     count: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
@@ -84,7 +96,7 @@ class CpuThreads:
 
     def for_batch(self, most: int, macs: int, requests: int) -> int:
         """Threads for a batch of `requests` requests and `macs` multiply-adds, of `most` available,
-        by size alone (a measured batch is one this gives `most` with several requests)."""
+        by size alone (a measured batch is one this gives `most`)."""
         if most <= 1 or self.small_batch_macs <= 0:
             return most
         if macs < min(ALONE_FLOOR_MACS, self.small_batch_macs) or (requests > 1 and macs < self.small_batch_macs):
@@ -96,17 +108,27 @@ class CpuThreads:
         return ThreadChooser(self, most)
 
 
+class _Arms:
+    """What a chooser knows of one kind of batch (a lone request, or several) on each choice."""
+
+    def __init__(self, most: int) -> None:
+        self.cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
+        self.first: dict[int, list[float]] = {most: [], 1: []}  # threads -> costs of its first batches
+        self.since_probe = 0  # measured batches since the other choice last ran
+
+
 class ThreadChooser:
     """Chooses a batch's intra-op threads on one worker thread, learning from the batches it times.
 
-    A batch of several requests that the size rule gives every thread ("measured") runs on one thread
-    or on all. Each choice keeps a mean of seconds per multiply-add over its recent batches; all
-    threads are used while their mean is at least `min_speedup` times lower than one thread's. Every
-    PROBE_EVERY-th measured batch runs on the other choice, so a change in load (the loop getting
-    busier, other work on the host) shows within a few hundred batches; where the other choice is much
-    slower, less often (PROBE_BUDGET). At first the two are tried in turn, FIRST_SAMPLES times each,
-    and each mean starts from the median of those; later batches move it by at most a SPIKE factor each.
-    Not thread-safe: one per worker thread.
+    A batch that the size rule gives every thread ("measured") runs on one thread or on all. A lone
+    request and a batch of several are learned apart (the second thread's cost differs: a lone
+    request's is a wake of the other core). For each, each choice keeps a mean of seconds per
+    multiply-add over its recent batches; all threads are used while their mean is at least
+    `min_speedup` times lower than one thread's. Every PROBE_EVERY-th measured batch runs on the other
+    choice, so a change in load (the loop getting busier, other work on the host) shows within a few
+    hundred batches; where the other choice is much slower, less often (PROBE_BUDGET). At first the two
+    are tried in turn, FIRST_SAMPLES times each, and each mean starts from the median of those; later
+    batches move it by at most a SPIKE factor each. Not thread-safe: one per worker thread.
     """
 
     def __init__(self, rule: CpuThreads, most: int, probe_every: int = PROBE_EVERY, weight: float = WEIGHT) -> None:
@@ -115,51 +137,55 @@ class ThreadChooser:
         self._probe_every = probe_every
         self._weight = weight
         self._measure = most > 1 and rule.small_batch_macs > 0 and rule.min_speedup > 0
-        self._cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
-        self._first: dict[int, list[float]] = {most: [], 1: []}  # threads -> costs of its first batches
-        self._since_probe = 0  # measured batches since the other arm last ran
+        self._arms = {True: _Arms(most), False: _Arms(most)}  # alone? -> what is known
 
     def pick(self, macs: int, requests: int) -> tuple[int, bool]:
         """(threads, measured): the threads for this batch, and whether `record` should learn from it."""
         threads = self._rule.for_batch(self.most, macs, requests)
-        if not self._measure or requests <= 1 or threads != self.most:
+        if not self._measure or threads != self.most:
             return threads, False
-        fewer = min((self.most, 1), key=lambda t: len(self._first[t]))  # a tie: every thread first
-        if len(self._first[fewer]) < FIRST_SAMPLES:
+        alone = requests <= 1
+        arms = self._arms[alone]
+        fewer = min((self.most, 1), key=lambda t: len(arms.first[t]))  # a tie: every thread first
+        if len(arms.first[fewer]) < FIRST_SAMPLES:
             return fewer, True
-        best = self.preferred()
+        best = self.preferred(alone)
         other = 1 if best == self.most else self.most
-        self._since_probe += 1
-        if self._since_probe >= self.probe_interval(best, other):
-            self._since_probe = 0
+        arms.since_probe += 1
+        if arms.since_probe >= self.probe_interval(best, other, alone):
+            arms.since_probe = 0
             return other, True
         return best, True
 
-    def probe_interval(self, best: int, other: int) -> int:
+    def probe_interval(self, best: int, other: int, alone: bool = False) -> int:
         """Measured batches from one probe of `other` to the next: PROBE_EVERY, or more where `other`
         is so much slower that probing it as often would cost more than PROBE_BUDGET."""
-        excess = self._cost[other] / self._cost[best] - 1.0
+        cost = self._arms[alone].cost
+        excess = cost[other] / cost[best] - 1.0
         return max(self._probe_every, math.ceil(excess / PROBE_BUDGET))
 
-    def preferred(self) -> int:
-        """The threads a measured batch runs on between probes: all, unless they are not yet known to be
-        at least min_speedup faster."""
-        one, every = self._cost.get(1), self._cost.get(self.most)
+    def preferred(self, alone: bool = False) -> int:
+        """The threads a measured batch (of several requests, or `alone`) runs on between probes: all,
+        unless they are not yet known to be at least min_speedup faster."""
+        cost = self._arms[alone].cost
+        one, every = cost.get(1), cost.get(self.most)
         if one is None or every is None:
             return self.most
         return self.most if one >= self._rule.min_speedup * every else 1
 
-    def record(self, threads: int, macs: int, seconds: float) -> None:
-        """A measured batch of `macs` multiply-adds took `seconds` to compute on `threads` threads."""
+    def record(self, threads: int, macs: int, seconds: float, requests: int) -> None:
+        """A measured batch of `requests` requests and `macs` multiply-adds took `seconds` to compute
+        on `threads` threads."""
         if macs <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
+        arms = self._arms[requests <= 1]
         cost = seconds / macs
-        first = self._first[threads]
+        first = arms.first[threads]
         if len(first) < FIRST_SAMPLES:
             # The median of the first few batches (one slow first batch does not count), then a moving mean.
             first.append(cost)
-            self._cost[threads] = statistics.median(first)
+            arms.cost[threads] = statistics.median(first)
             return
-        previous = self._cost[threads]
+        previous = arms.cost[threads]
         cost = min(max(cost, previous / SPIKE), previous * SPIKE)
-        self._cost[threads] = previous + self._weight * (cost - previous)
+        arms.cost[threads] = previous + self._weight * (cost - previous)

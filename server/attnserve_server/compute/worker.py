@@ -57,6 +57,12 @@ class _CudaPhases:
         return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
 
 
+# torch's intra-op thread count as it stands when this module loads, before any thread sets its own: a
+# CPU worker's "every thread" where none is configured. It cannot be asked later. Each thread's count is
+# what it last set, and a thread that computes for the first time (the event loop's, at its first solo
+# run) starts from whatever any thread set last (at::init_num_threads): the server's loop read 1 there,
+# after the worker's warm-up had run small batches on one thread, and ran every solo request on one.
+DEFAULT_THREADS = torch.get_num_threads()
 # On CUDA a worker runs this many batches at once, each on a lane of its own (a thread, a stream and
 # pinned buffers): while one batch computes, the next is staged and copied in (double buffering).
 CUDA_LANES = 2
@@ -138,7 +144,7 @@ class DeviceWorker:
         threads set, and the thread's chooser if it learns from this batch's time (else None)."""
         local = self._local
         if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
-            local.chooser = self._threads.chooser(self._threads.count or torch.get_num_threads())
+            local.chooser = self._threads.chooser(self._threads.count or DEFAULT_THREADS)
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
         chooser: ThreadChooser = local.chooser
         wanted, measured = chooser.pick(macs, requests)
@@ -208,7 +214,7 @@ class DeviceWorker:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
                 weights = (weights or []) + split(weights_host, group, key_axis=True, views=fresh)
         if chooser is not None:
-            chooser.record(threads, macs, computed_s)
+            chooser.record(threads, macs, computed_s, len(requests))
         width = out_host.shape[-1]
         if groups[0] is not requests:  # grouped by length: back in the batch's order
             order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
