@@ -1,4 +1,5 @@
-"""Client behaviour that needs a controllable peer: retries of UNAVAILABLE through the service config."""
+"""Client behaviour that needs a controllable peer: retries of UNAVAILABLE (and of a server's CANCELLED)
+through the service config."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
 class FlakyOnce(pb_grpc.AttentionServiceServicer):
-    """Answers UNAVAILABLE to the first attempt of every request id, then echoes the query."""
+    """Answers `code` (UNAVAILABLE unless a request id starts with "cancelled") to the first attempt of
+    every request id, then echoes the query."""
 
     def __init__(self) -> None:
         self.attempts: dict[str, int] = {}
@@ -25,6 +27,9 @@ class FlakyOnce(pb_grpc.AttentionServiceServicer):
         with self.lock:
             n = self.attempts[request.request_id] = self.attempts.get(request.request_id, 0) + 1
         if n == 1:
+            if request.request_id.startswith("cancelled"):
+                # what gRPC core answers a call that reached a server as it stopped (grpc/grpc#41785)
+                context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
             context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
         return pb.AttendResponse(request_id=request.request_id, output=request.query)
 
@@ -47,6 +52,18 @@ def test_unavailable_is_retried_by_the_channel(flaky) -> None:
         result = c.attend(x, request_id="r1")
     np.testing.assert_array_equal(result.output, x)
     assert servicer.attempts["r1"] == 2
+
+
+def test_a_servers_cancelled_is_retried_too(flaky) -> None:
+    servicer, target = flaky
+    x = np.ones((2, 4), np.float32)
+    with Client(target, timeout_s=10) as c:
+        result = c.attend(x, request_id="cancelled-1")
+    np.testing.assert_array_equal(result.output, x)
+    assert servicer.attempts["cancelled-1"] == 2
+    with Client(target, timeout_s=10, retries=False) as c, pytest.raises(AttnServeError) as err:
+        c.attend(x, request_id="cancelled-2")
+    assert err.value.code == grpc.StatusCode.CANCELLED and servicer.attempts["cancelled-2"] == 1
 
 
 def test_without_retries_unavailable_reaches_the_caller(flaky) -> None:

@@ -17,12 +17,18 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # took 12.7 ms at the default and 8.6 ms with 16 MiB.
 STREAM_LOOKAHEAD_BYTES = 16 * 1024 * 1024
 
+# UNAVAILABLE: a server that is starting, draining or gone (retried on the next address). CANCELLED
+# from a server: a call that reached it just as gRPC itself stopped, before any handler took it. gRPC
+# core cancels those rather than answering UNAVAILABLE (grpc/grpc#41785); the server answers every
+# call it still sees UNAVAILABLE for 0.25 s first, which narrows that window but cannot close it.
+# Both are safe to send again: an attention call changes nothing on the server. gRPC never retries a
+# call the caller cancelled or whose deadline passed.
 _RETRY_POLICY = {
     "maxAttempts": 5,
     "initialBackoff": "0.05s",
     "maxBackoff": "2s",
     "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
+    "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
 }
 
 
@@ -68,7 +74,7 @@ def resolve_target(target: str | Sequence[str]) -> str:
 
 def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, object]]:
     """gRPC channel options: message limits, round-robin over every address the target resolves to,
-    and, when enabled, UNAVAILABLE retried by gRPC itself (on the next address)."""
+    and, when enabled, UNAVAILABLE (and a server's CANCELLED) retried by gRPC itself (on the next address)."""
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -159,7 +159,7 @@ class AttnServer:
         # 1. The models stop admitting and run what they accepted, while gRPC keeps accepting calls:
         #    a late call is answered UNAVAILABLE by the edge, which clients retry. gRPC's own stop
         #    would cancel the calls it has accepted but not yet handed to a handler: CANCELLED, which
-        #    no client retries (grpc/grpc#41785).
+        #    clients do not retry (grpc/grpc#41785; ours does, for a call that still meets it).
         #    With edge processes, each edge reports NOT_SERVING and forwards late calls, which the
         #    draining models refuse.
         if self.edges is not None:
