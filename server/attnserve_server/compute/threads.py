@@ -51,9 +51,10 @@ from dataclasses import dataclass
 ALONE_FLOOR_MACS = 8_000_000
 # A batch of several requests below this runs on one thread (the server's --small-batch-macs).
 SMALL_BATCH_MACS = 128_000_000
-# Every thread must compute a batch of several requests at least this much faster than one to be used
-# for it (the server's --min-parallel-speedup). In-process two are 1.6-1.9x faster (W1 and L=256); under
-# contention W1 measured 0.75-1.05x and L=256 1.16x. A little above 1: a tie goes to the cheaper choice.
+# Every thread must compute a measured batch (of several requests, or a lone one over the floor) at
+# least this much faster than one to be used for it (the server's --min-parallel-speedup). In-process
+# two are 1.6-1.9x faster (W1 and L=256); under contention W1 measured 0.75-1.05x and L=256 1.16x. A
+# little above 1: a tie goes to the cheaper choice.
 MIN_SPEEDUP = 1.05
 # One batch in PROBE_EVERY runs on the arm not in use, to keep its estimate current; each estimate is
 # an exponentially weighted mean of seconds per multiply-add with this weight for the newest batch.
@@ -122,7 +123,7 @@ class ThreadChooser:
 
     A batch that the size rule gives every thread ("measured") runs on one thread or on all. A lone
     request and a batch of several are learned apart (the second thread's cost differs: a lone
-    request's is a wake of the other core). For each, each choice keeps a mean of seconds per
+    request's is a wake of the other core). For each kind, each choice keeps a mean of seconds per
     multiply-add over its recent batches; all threads are used while their mean is at least
     `min_speedup` times lower than one thread's. Every PROBE_EVERY-th measured batch runs on the other
     choice, so a change in load (the loop getting busier, other work on the host) shows within a few
