@@ -162,10 +162,11 @@ class ServedModel:
     def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
         """With one CPU worker of one lane, a lone request of at most `solo_macs` may run on the event
         loop while the server is quiet (solo.py): the worker's lane is idle then, and nothing else
-        computes. It runs on the intra-op threads the size rule gives a lone request
-        (compute/threads.py): one below ALONE_FLOOR_MACS, W1 included, so that it wakes no other
-        thread at all. At concurrency 1 that served L=16 and L=1 with an 8% and 9% lower p50 than the
-        worker's thread did, and W1 5-8% lower than solo on two threads (BENCHMARKS.md, nineteenth pass)."""
+        computes. It runs on the intra-op threads the loop thread's own chooser gives a lone request
+        (compute/threads.py): one below ALONE_FLOOR_MACS, and above it whichever its solo runs measure
+        faster (W1 stays on one on the Intel VM of BENCHMARKS.md, where a second thread's wakes cost
+        more than it saves). At concurrency 1 solo served L=16 and L=1 with an 8% and 9% lower p50
+        than the worker's thread did (nineteenth pass)."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return
