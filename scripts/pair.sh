@@ -9,7 +9,7 @@
 #   (A and B go before the server command through env: variables, or a command, e.g. B="taskset -c 0")
 #   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
 #        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three)
-# e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" C=1 L=256 scripts/pair.sh
+# e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000" C=1 L=256 scripts/pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh

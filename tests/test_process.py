@@ -28,6 +28,7 @@ from attnserve_bench.process import spawn_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
+from attnserve_server import openmp
 
 from conftest import TEST_LOOP, Running
 
@@ -96,7 +97,7 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
     assert f"event loop: {'asyncio' if TEST_LOOP == 'asyncio' else 'uvloop'}" in log  # uvloop: the server extra's
     # serve's own OpenMP default, unless this environment chose one (openmp.py)
     chosen = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
-    assert f"OpenMP: {', '.join(chosen) or 'OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000'}" in log
+    assert f"OpenMP: {', '.join(chosen) or f'OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT={openmp.SPIN_COUNT}'}" in log
     # and its malloc settings, unless this environment chose (allocator.py)
     operator = any(k.startswith("MALLOC_") or k == "LD_PRELOAD" for k in os.environ)
     if not operator and "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", ""):

@@ -183,10 +183,11 @@ class ThreadNamingWorker(DeviceWorker):
         return super().run(requests)
 
 
-def two_thread_settings(**fields):
-    """This suite's tiny model with every batch on two intra-op threads, solo or on the worker, as a
-    large request runs: the same threads in both places, so their answers match bit for bit."""
-    return settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=2, small_batch_macs=0, **fields)
+def one_thread_settings(**fields):
+    """This suite's tiny model on one intra-op thread: every request then runs solo up to solo_macs (a
+    solo run starts no OpenMP pool), on the same thread count as on the worker, so their answers match
+    bit for bit."""
+    return settings(model(embed_dim=E, num_heads=H, device=CPU), torch_threads=1, **fields)
 
 
 @pytest.fixture()
@@ -194,7 +195,7 @@ def quiet_server():
     ThreadNamingWorker.ran_on = []
     ThreadNamingWorker.release.set()
     # compute_macs: x below (2 x 9 rows) 84 k, a query of HELD_LEN 365 k
-    config = two_thread_settings(solo_macs=200_000)
+    config = one_thread_settings(solo_macs=200_000)
     with running(config, worker_factory=ThreadNamingWorker) as handle:
         yield handle
 
@@ -253,7 +254,7 @@ def test_a_quiet_server_answers_from_the_loop_the_same_and_batches_again_under_l
 
 def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:
     ThreadNamingWorker.ran_on = []
-    config = two_thread_settings(solo_macs=0)
+    config = one_thread_settings(solo_macs=0)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
         for _ in range(STREAK + 4):
             c.attend(np.ones((1, 3, E), dtype=np.float32))
@@ -263,7 +264,7 @@ def test_solo_macs_zero_keeps_every_request_on_the_worker() -> None:
 def test_a_request_too_large_for_the_loop_runs_on_the_worker_even_when_quiet() -> None:
     ThreadNamingWorker.ran_on = []
     one_row = 2 * E * E + 2 * E * E + 2 * E  # compute_macs of one query row against one key row
-    config = two_thread_settings(solo_macs=one_row * 4)
+    config = one_thread_settings(solo_macs=one_row * 4)
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
         for _ in range(STREAK + 2):
             c.attend(np.ones((1, 1, E), dtype=np.float32))
@@ -292,23 +293,31 @@ def test_a_request_small_enough_for_one_thread_runs_solo_on_one_thread() -> None
 
 
 @pytest.mark.skipif(DEFAULT_THREADS < 2, reason="torch uses one intra-op thread here by default")
-def test_a_lone_request_over_the_floor_runs_solo_on_every_thread_first_with_no_thread_count_configured() -> None:
-    """With --torch-threads unset, "every thread" is torch's default. Asked on the event loop's thread at
-    its first solo run it was 1: that thread starts from the count the worker's thread set last, here for
-    a small request, and every solo run then went to one thread. W1 at L=32 (8.9 M multiply-adds) is
-    over the floor for a lone request, so its thread count is measured, every thread first."""
+def test_a_lone_request_over_the_floor_runs_on_the_worker_on_every_thread_first_with_no_thread_count_configured() -> (
+    None
+):
+    """A lone request that the size rule may run on several threads never runs solo: the event loop's
+    thread would start an OpenMP pool beside the worker's, and libgomp then throttles both pools' spin
+    (model.py). W1 at L=32 (8.9 M multiply-adds) is over the floor, so on the worker its thread count is
+    measured, every thread first. With --torch-threads unset "every thread" is torch's default, read as
+    the worker module loads: asked on a thread later, it was the count that thread set last (the worker's
+    last warm-up batch, one small request, runs on one)."""
     ThreadNamingWorker.ran_on = []
     config = settings(model(embed_dim=256, num_heads=8, device=CPU))
     with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
-        for _ in range(STREAK):  # on the worker, each on one thread (under the floor)
+        for _ in range(STREAK + 1):  # under the floor, on one thread: the streak's, then one solo
             c.attend(np.ones((1, 1, 256), dtype=np.float32))
-        two = handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads=str(DEFAULT_THREADS))
-        c.attend(np.ones((1, 32, 256), dtype=np.float32))
         assert ThreadNamingWorker.ran_on[-1] == handle.loop_thread_name()
+        assert handle.sample("attnserve_solo_batches_total", model="default") == 1
+        every = handle.sample(
+            "attnserve_cpu_batches_total", model="default", device="cpu", threads=str(DEFAULT_THREADS)
+        )
+        c.attend(np.ones((1, 32, 256), dtype=np.float32))  # quiet, yet on the worker
+        assert ThreadNamingWorker.ran_on[-1] != handle.loop_thread_name()
         assert handle.sample("attnserve_solo_batches_total", model="default") == 1
         assert (
             handle.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads=str(DEFAULT_THREADS))
-            == two + 1
+            == every + 1
         )
 
 
@@ -334,7 +343,7 @@ def test_every_kind_of_request_answers_the_same_solo_as_on_the_worker() -> None:
 
     def answers(solo_macs: int) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], list[bool]]:
         ThreadNamingWorker.ran_on = []
-        config = settings(*models, torch_threads=2, small_batch_macs=0, solo_macs=solo_macs)
+        config = settings(*models, torch_threads=1, solo_macs=solo_macs)
         with running(config, worker_factory=ThreadNamingWorker) as handle, Client(handle.target) as c:
             for name in ("default", "cross", "bare"):  # each model's batcher its own quiet streak
                 for _ in range(STREAK):

@@ -14,7 +14,7 @@ from attnserve_server.batching import BatchDone, Batcher, BatchLimits
 from attnserve_server.compute.devices import FLOAT16_FLAGS, cpu_flags, float16_is_slow, resolve_devices
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
-from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.compute.worker import DEFAULT_THREADS, DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, compute_macs
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
 from attnserve_server.idle_spin import QUIET_STREAK
@@ -162,18 +162,23 @@ class ServedModel:
     def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
         """With one CPU worker of one lane, a lone request of at most `solo_macs` may run on the event
         loop while the server is quiet (solo.py): the worker's lane is idle then, and nothing else
-        computes. It runs on the intra-op threads the loop thread's own chooser gives a lone request
-        (compute/threads.py): one below ALONE_FLOOR_MACS, and above it whichever its solo runs measure
-        faster (W1 stays on one on the Intel VM of BENCHMARKS.md, where a second thread's wakes cost
-        more than it saves). At concurrency 1 solo served L=16 and L=1 with an 8% and 9% lower p50
-        than the worker's thread did (nineteenth pass)."""
+        computes. Only a request that the size rule runs on one intra-op thread (compute/threads.py:
+        under ALONE_FLOOR_MACS, or any where the worker has one thread) runs there, so the loop's thread
+        never starts an OpenMP pool of its own. A second pool makes libgomp cut both pools' spin to its
+        throttled count, and the worker's partner thread then sleeps between a quiet server's requests:
+        on the AMD VM of BENCHMARKS.md (twenty-first pass) W1 alone computed in ~1.5 ms on two threads
+        whose partner spun through the gap, ~2 ms on one, ~2.9 ms on two that slept. W1 (19 M) at
+        concurrency 1 therefore runs on the worker's two threads: p50 -11% against solo, in pairs."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return
         spec, most_macs = self.spec, self._solo_macs
+        rule = self._threads or CpuThreads()
+        most_threads = rule.count or DEFAULT_THREADS
 
         def eligible(r: AttentionRequest) -> bool:
-            return compute_macs(spec, r.sequences, r.query_len, r.key_len) <= most_macs
+            macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
+            return macs <= most_macs and rule.for_batch(most_threads, macs, 1) == 1
 
         report = self._reporter(workers[0])
 

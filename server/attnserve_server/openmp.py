@@ -1,39 +1,42 @@
 """The OpenMP environment torch's CPU kernels run under in the server, set before torch loads.
 
-torch's CPU wheels use GNU OpenMP (libgomp), which reads its environment once, when it loads.
-By default its threads spin for a long while (GOMP_SPINCOUNT 300,000 pause loops) after every
-parallel region: in a server they would spin against the gRPC and event-loop threads. Sleeping at
-once (OMP_WAIT_POLICY=PASSIVE) costs a wake-up at every region instead, which made two threads
-slower than one on a small batch. A short spin keeps a forward pass's threads awake from one region
-to the next and lets them sleep between batches. Measured on W1, 2 cores (BENCHMARKS.md): one
-sequence 344 us on 2 threads against 529 passive and 405 on one thread; 4 sequences 1041 against
-1263; concurrency-1 p50 0.96 ms against 1.13, concurrency 32 unchanged.
+torch's CPU wheels use GNU OpenMP (libgomp), which reads its environment once, when it loads. After
+each parallel region its threads spin GOMP_SPINCOUNT pause loops before they sleep on a futex;
+OMP_WAIT_POLICY=PASSIVE sleeps at once, and made two threads slower than one on a small batch.
 
-Every thread that runs a parallel region keeps a pool of its own (the worker's, and the event loop's
-once it computes a solo request: solo.py). With more pool threads than CPUs libgomp cuts every
-spin to its "throttled" count, 100 pauses unless OMP_WAIT_POLICY=ACTIVE makes it 1000, and then
-a second pool doubled the worker's batch time (scripts/omp_pools.py: 280 -> 591 µs). ACTIVE with an
-explicit GOMP_SPINCOUNT of 1000 keeps the same short spin in both cases (284 -> 298 µs): ACTIVE
-changes nothing else here, as the explicit count replaces its endless spin.
+The server keeps libgomp's own spin of 300,000 pauses (~4 ms on the Intel VM of BENCHMARKS.md, ~9 ms
+on the AMD VM, where a pause takes 31 ns), set explicitly with OMP_WAIT_POLICY=ACTIVE. At concurrency
+1 it keeps the worker's partner thread running through the gap between one request and the next:
+on the AMD VM (twenty-first pass) W1 computed after a 3 ms pause in 1488 µs on two threads that
+spun, and in 2928 on two threads that slept after 1000 pauses (the seventeenth to twentieth passes'
+setting), 2117 on one. In paired runs against that short spin, W1 at concurrency 1 served with an
+11% lower p50, and at concurrency 32 the same (1.000 over six pairs).
+
+A spin is long only in one pool. Every thread that runs a parallel region keeps a pool of its own,
+and with more pool threads than CPUs libgomp cuts every spin to its "throttled" count: 100 pauses,
+or 1000 under OMP_WAIT_POLICY=ACTIVE, which is why ACTIVE is set (at 100 a second pool doubled the
+worker's batch time; scripts/omp_pools.py: 280 -> 591 µs, 284 -> 298 with ACTIVE). So the weights load
+on a thread that ends before serving, and the event loop's solo runs take only requests that run on
+one thread (model.py), which start no pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-# libgomp's pause loops before a waiting thread sleeps: ~15 us on the Intel VM of BENCHMARKS.md's later
-# passes (a pause takes 13-17 ns there), longer where a pause is slower. libgomp's own 300,000 served
-# one long request at a time faster there (L=256 at concurrency 1: p50 -10 to -22%) and W1 at
-# concurrency 32 slower (-3 to -15%): the seventeenth pass.
-SPIN_COUNT = "1000"
+# libgomp's pause loops before a waiting thread sleeps: its own default, made explicit (the docstring
+# says why). The seventeenth pass measured it against 1000 on the Intel VM while the event loop's solo
+# runs kept a second pool, so throttled: L=256 at concurrency 1 p50 -10 to -22%, W1 at concurrency 32
+# -3 to -15% req/s. With one pool, on the AMD VM: W1 concurrency 1 p50 -11%, concurrency 32 a tie.
+SPIN_COUNT = "300000"
 
 
 _VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def set_defaults(environ: MutableMapping[str, str]) -> str:
-    """A short spin, throttled or not, unless the operator chose a wait policy or a spin count;
-    returns the setting in effect, for the log ("OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000")."""
+    """libgomp's long spin, with ACTIVE's throttled count, unless the operator chose a wait policy or a
+    spin count; returns the setting in effect, for the log ("OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000")."""
     if not any(name in environ for name in _VARIABLES):
         environ["OMP_WAIT_POLICY"] = "ACTIVE"
         environ["GOMP_SPINCOUNT"] = SPIN_COUNT

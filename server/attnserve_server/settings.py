@@ -171,8 +171,8 @@ OPTIONS: tuple[Option, ...] = (
         "solo-macs",
         "server",
         int,
-        "on a quiet server with one CPU worker, a lone request with at most this many multiply-adds runs on the"
-        f" event loop, sparing two thread hops; 0 turns this off (default {SOLO_MACS})",
+        "on a quiet server with one CPU worker, a lone request with at most this many multiply-adds that runs on"
+        f" one intra-op thread runs on the event loop, sparing two thread hops; 0 turns this off (default {SOLO_MACS})",
     ),
     Option(
         "idle-spin-ms",

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 # The largest request that may run on the loop, in multiply-adds (the server's --solo-macs): ~1 ms on
 # the 2-core VM (W1 is 19 M). The hops are worth saving only where they are a visible share of the
-# compute, and the loop answers nothing else while it computes.
+# compute, and the loop answers nothing else while it computes. Only a request that runs on one
+# intra-op thread runs there (model.py says why): with several threads, those under 8 M.
 SOLO_MACS = 64_000_000
 STREAK = 32  # quiet requests in a row before the loop computes
 PRESSED = 2  # busy gaps in a row before it stops
