@@ -468,17 +468,37 @@ def test_the_worker_sets_each_batchs_threads_on_its_own_thread() -> None:
 
 
 @pytest.mark.parametrize(
-    ("environ", "expected"),
+    ("environ", "gpu", "expected"),
     [
-        ({}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-        ({"GOMP_SPINCOUNT": "50000"}, {"GOMP_SPINCOUNT": "50000"}),
+        ({}, False, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}),
+        ({}, True, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ({"GOMP_SPINCOUNT": "50000"}, True, {"GOMP_SPINCOUNT": "50000"}),
     ],
 )
-def test_the_server_spins_openmp_briefly_unless_the_operator_chose(environ, expected) -> None:
-    in_effect = openmp.set_defaults(environ)
+def test_openmp_spins_long_on_the_cpu_briefly_beside_a_gpu_unless_the_operator_chose(environ, gpu, expected) -> None:
+    in_effect = openmp.set_defaults(environ, gpu=gpu)
     assert environ == expected
     assert in_effect == ", ".join(f"{k}={v}" for k, v in expected.items())
+
+
+@pytest.mark.parametrize(
+    ("devices", "environ", "driver", "expected"),
+    [
+        (["cpu"], {}, True, False),
+        (["auto"], {}, False, False),
+        (["auto"], {}, True, True),
+        (["auto"], {"CUDA_VISIBLE_DEVICES": ""}, True, False),
+        (["auto"], {"CUDA_VISIBLE_DEVICES": "-1"}, True, False),
+        (["auto"], {"CUDA_VISIBLE_DEVICES": "0"}, True, True),
+        (["cpu", "cuda:1"], {}, False, True),  # asked for: refused later if missing (devices.py)
+    ],
+)
+def test_a_model_may_use_a_gpu_where_asked_for_or_auto_finds_a_driver(devices, environ, driver, expected, tmp_path):
+    node = tmp_path / "nvidiactl"
+    if driver:
+        node.touch()
+    assert openmp.uses_gpu(devices, environ, nvidia=node) is expected
 
 
 # Where a 96 MiB array's memory comes from, allocated on the main thread and on another one (as the

@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The in-process limit runs under the OpenMP policy and the malloc settings the server runs
     # under (see cli.cmd_serve); set before torch loads in this process.
-    openmp.set_defaults(os.environ)
+    openmp.set_defaults(os.environ, gpu=openmp.uses_gpu([args.device], os.environ))
     allocator.set_defaults(os.environ)
 
     # TLS and tokens reach a server given by --target; the servers bench starts are plaintext.

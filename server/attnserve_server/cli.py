@@ -154,7 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in misspelt_variables(os.environ):
         print(f"attnserve: warning: {warning}", file=sys.stderr)
     # Before torch loads (openmp.py says why), and before the edge processes start (allocator.py).
-    omp = openmp.set_defaults(os.environ)
+    devices = [device for model in settings.models for device in model.device]
+    omp = openmp.set_defaults(os.environ, gpu=openmp.uses_gpu(devices, os.environ))
     malloc = allocator.set_defaults(os.environ)
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -18,26 +18,43 @@ or 1000 under OMP_WAIT_POLICY=ACTIVE, which is why ACTIVE is set (at 100 a secon
 worker's batch time; scripts/omp_pools.py: 280 -> 591 µs, 284 -> 298 with ACTIVE). So the weights load
 on a thread that ends before serving, and the event loop's solo runs take only requests that run on
 one thread (model.py), which start no pool.
+
+Only where every model computes on the CPU. With a GPU the CPU stages batches, and torch's copies run
+parallel regions on every core (16 on the GPU machine): their threads would spin ~4 ms after each
+batch, on cores that the edge processes need. There the spin stays at 1000 pauses (~15 µs on Intel).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from pathlib import Path
 
 # libgomp's pause loops before a waiting thread sleeps: its own default, made explicit (the docstring
 # says why). The seventeenth pass measured it against 1000 on the Intel VM while the event loop's solo
 # runs kept a second pool, so throttled: L=256 at concurrency 1 p50 -10 to -22%, W1 at concurrency 32
 # -3 to -15% req/s. With one pool, on the AMD VM: W1 concurrency 1 p50 -11%, concurrency 32 a tie.
 SPIN_COUNT = "300000"
+# Where a model may compute on a GPU (the docstring says why).
+GPU_SPIN_COUNT = "1000"
 
 
 _VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def set_defaults(environ: MutableMapping[str, str]) -> str:
-    """libgomp's long spin, with ACTIVE's throttled count, unless the operator chose a wait policy or a
-    spin count; returns the setting in effect, for the log ("OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000")."""
+def uses_gpu(devices: Iterable[str], environ: Mapping[str, str], nvidia: Path = Path("/dev/nvidiactl")) -> bool:
+    """Whether any of the models' devices (settings: auto, cpu, cuda, cuda:N) may be a GPU, told before
+    torch loads: `auto` is one where an NVIDIA driver's device node exists and CUDA_VISIBLE_DEVICES
+    does not hide every GPU."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and visible.strip() in ("", "-1")
+    return any(d.startswith("cuda") or (d == "auto" and not hidden and nvidia.exists()) for d in devices)
+
+
+def set_defaults(environ: MutableMapping[str, str], gpu: bool = False) -> str:
+    """libgomp's long spin with ACTIVE's throttled count (with `gpu`, a model that may compute on a GPU: a
+    short spin), unless the operator chose a wait policy or a spin count; returns the setting in effect,
+    for the log ("OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000")."""
     if not any(name in environ for name in _VARIABLES):
         environ["OMP_WAIT_POLICY"] = "ACTIVE"
-        environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        environ["GOMP_SPINCOUNT"] = GPU_SPIN_COUNT if gpu else SPIN_COUNT
     return ", ".join(f"{name}={environ[name]}" for name in _VARIABLES if name in environ)
