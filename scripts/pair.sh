@@ -8,7 +8,9 @@
 #   A="VAR=x ..." B="VAR=y ..." ARGS_A="serve flags" ARGS_B="serve flags" scripts/pair.sh
 #   (A and B go before the server command through env: variables, or a command, e.g. B="taskset -c 0")
 #   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
-#        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three)
+#        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three),
+#        PEER_A (inline, batcher or echo: arm A is that peer server of ../shared/peers instead, the same
+#        shape on 2 intra-op threads, after ../shared/peers/setup.sh; A and ARGS_A then do not apply)
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000" C=1 L=256 scripts/pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,19 +22,34 @@ scripts/perf_analyzer.sh --setup >/dev/null
 write_query "$OUT/query.json" "$L" "$E"
 PORT_A=$(free_port)
 PORT_B=$(free_port)
-# shellcheck disable=SC2086 # the arms' variables and flags are words on purpose
-env ${A:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_A" --metrics-port -1 --embed-dim "$E" \
-  --num-heads "$H" ${ARGS_A:-} >"$OUT/a.log" 2>&1 &
-SA=$!
+if [ -n "${PEER_A:-}" ]; then
+  PEERS=$(cd ../shared/peers && pwd)
+  PEERS_PY=${PEERS_HOME:-$HOME/.cache/attnserve-peers}/base/bin/python
+  (cd "$PEERS" && PEERS_E=$E PEERS_H=$H PEERS_L=$L MHA_TORCH_THREADS=2 \
+    exec "$PEERS_PY" baseline_server.py --mode "$(echo "$PEER_A" | sed 's/^inline$/naive/; s/^batcher$/dynamic/')" \
+    --port "$PORT_A") >"$OUT/a.log" 2>&1 &
+  SA=$!
+else
+  # shellcheck disable=SC2086 # the arms' variables and flags are words on purpose
+  env ${A:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_A" --metrics-port -1 --embed-dim "$E" \
+    --num-heads "$H" ${ARGS_A:-} >"$OUT/a.log" 2>&1 &
+  SA=$!
+fi
 # shellcheck disable=SC2086
 env ${B:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_B" --metrics-port -1 --embed-dim "$E" \
   --num-heads "$H" ${ARGS_B:-} >"$OUT/b.log" 2>&1 &
 SB=$!
 trap 'kill $SA $SB 2>/dev/null; wait $SA $SB 2>/dev/null; rm -rf "$OUT"' EXIT
-wait_healthy $SA "$PORT_A" "$OUT/a.log"
+if [ -n "${PEER_A:-}" ]; then
+  PEERS_E=$E PEERS_L=$L PROBE_MODEL=mha "$PEERS_PY" "$PEERS/probe.py" "127.0.0.1:$PORT_A" 240 >/dev/null || { cat "$OUT/a.log"; exit 1; }
+else
+  wait_healthy $SA "$PORT_A" "$OUT/a.log"
+fi
 wait_healthy $SB "$PORT_B" "$OUT/b.log"
-one() {
-  scripts/perf_analyzer.sh --run -m default -u "127.0.0.1:$1" -i grpc --input-data "$OUT/query.json" \
+one() {  # PORT: the arm's "req/s/p50 µs"
+  local data=(-m default --input-data "$OUT/query.json")
+  [ -n "${PEER_A:-}" ] && [ "$1" = "$PORT_A" ] && data=(-m mha --shape "X:$L,$E")
+  scripts/perf_analyzer.sh --run "${data[@]}" -u "127.0.0.1:$1" -i grpc \
     --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 2>&1 |
     awk '/Throughput:/ {t = $2} /p50 latency:/ {p = $3} END {printf "%d/%s", t, p}'
 }

@@ -29,9 +29,9 @@ measures at least `min_speedup` times faster than one.
 
 A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
 decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran
-faster on one thread on the Intel VM of BENCHMARKS.md's later passes and on two on the AMD VM of
-its sixth pass. Each thread keeps its own: the event loop's times only its solo runs (a quiet
-server), a worker's the lone batches it gets (mostly under load).
+faster on one thread on the Intel VM of BENCHMARKS.md's later passes (under a short OpenMP spin)
+and on two on its AMD VMs. Only a worker's thread measures: the event loop's solo runs take only
+requests that this rule runs on one thread (model.py).
 """
 
 from __future__ import annotations
