@@ -17,7 +17,10 @@ import os
 import subprocess
 import sys
 
-SPINS = {"short (1000)": "1000", "long (300000)": "300000"}
+from attnserve_server import openmp
+
+# The two spins `serve` sets (openmp.py): beside a GPU, and where every model computes on the CPU.
+SPINS = {f"short ({openmp.GPU_SPIN_COUNT})": openmp.GPU_SPIN_COUNT, f"long ({openmp.SPIN_COUNT})": openmp.SPIN_COUNT}
 
 _CHILD = r"""
 import json, sys, time

@@ -14,7 +14,7 @@ from attnserve_server.batching import BatchDone, Batcher, BatchLimits
 from attnserve_server.compute.devices import FLOAT16_FLAGS, cpu_flags, float16_is_slow, resolve_devices
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
-from attnserve_server.compute.worker import DEFAULT_THREADS, DeviceWorker
+from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, compute_macs
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
 from attnserve_server.idle_spin import QUIET_STREAK
@@ -168,17 +168,17 @@ class ServedModel:
         throttled count, and the worker's partner thread then sleeps between a quiet server's requests:
         on the AMD VM of BENCHMARKS.md (twenty-first pass) W1 alone computed in ~1.5 ms on two threads
         whose partner spun through the gap, ~2 ms on one, ~2.9 ms on two that slept. W1 (19 M) at
-        concurrency 1 therefore runs on the worker's two threads: p50 -11% against solo, in pairs."""
+        concurrency 1 therefore runs on the worker's two threads: p50 -20% in pairs against the earlier
+        solo runs on one thread under a short spin. Solo runs beside the long spin gained nothing: their
+        pool throttled it (1.50x the inline peer's p50 in pairs, 1.20x on the worker)."""
         workers = self._workers
         if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
             return
-        spec, most_macs = self.spec, self._solo_macs
-        rule = self._threads or CpuThreads()
-        most_threads = rule.count or DEFAULT_THREADS
+        spec, most_macs, worker = self.spec, self._solo_macs, workers[0]
 
         def eligible(r: AttentionRequest) -> bool:
             macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
-            return macs <= most_macs and rule.for_batch(most_threads, macs, 1) == 1
+            return macs <= most_macs and worker.one_thread_alone(macs)
 
         report = self._reporter(workers[0])
 

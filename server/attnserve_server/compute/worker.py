@@ -87,6 +87,11 @@ class _Lane:
             self.stager.slab.take(min(inputs, PINNED_PRESIZE_CAP))
             self.out.take(min(outputs, PINNED_PRESIZE_CAP))
 
+    def one_thread_alone(self, macs: int) -> bool:
+        """Whether a lone request of `macs` multiply-adds runs on one intra-op thread by size alone (on the
+        CPU: compute/threads.py), so that computing it starts no OpenMP pool on the calling thread."""
+        return self._threads.for_batch(self._most_threads, macs, 1) == 1
+
     def pinned_bytes(self) -> int:
         slabs = (self.stager.slab, self.out, self.weights_out)
         return sum(slab.capacity for slab in slabs if slab is not None)
@@ -115,6 +120,7 @@ class DeviceWorker:
             for lane in self._lanes:
                 lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
         self._threads = threads if threads is not None else CpuThreads()
+        self._most_threads = self._threads.count or DEFAULT_THREADS  # a CPU batch's "every thread"
         # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread
         # (and, on the CPU, per batch: compute/threads.py).
@@ -144,7 +150,7 @@ class DeviceWorker:
         threads set, and the thread's chooser if it learns from this batch's time (else None)."""
         local = self._local
         if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
-            local.chooser = self._threads.chooser(self._threads.count or DEFAULT_THREADS)
+            local.chooser = self._threads.chooser(self._most_threads)
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
         chooser: ThreadChooser = local.chooser
         wanted, measured = chooser.pick(macs, requests)
@@ -152,6 +158,11 @@ class DeviceWorker:
             torch.set_num_threads(wanted)
             local.current = wanted
         return wanted, chooser if measured else None
+
+    def one_thread_alone(self, macs: int) -> bool:
+        """Whether a lone request of `macs` multiply-adds runs on one intra-op thread by size alone (on the
+        CPU: compute/threads.py), so that computing it starts no OpenMP pool on the calling thread."""
+        return self._threads.for_batch(self._most_threads, macs, 1) == 1
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory the worker holds (0 on the CPU)."""
