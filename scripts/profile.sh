@@ -8,7 +8,9 @@
 #                                        and its counts, so every "per request" figure, are then per sequence),
 #                                        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
-#   SPY=0 scripts/profile.sh        no py-spy: throughput and the server's CPU time per request, by thread
+#   SPY=0 scripts/profile.sh        no py-spy: throughput, CPU per request of the server and of perf_analyzer,
+#                                   and per thread its time on a CPU and waiting for one (the undisturbed
+#                                   figures: on 2 vCPUs py-spy halved W1's throughput at c=32)
 # Needs py-spy (`pip install py-spy`) and perf_analyzer (scripts/perf_analyzer.sh --setup).
 # Requests per second come from perf_analyzer's own count over its whole window.
 set -euo pipefail
@@ -52,25 +54,33 @@ LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-d
   --concurrency-range "$CONC:$CONC" --measurement-interval $((SECONDS_PA * 1000 / 3)) -s 1000 -r 3 \
   "${MODE_FLAG[@]}" ${PA_ARGS:-} >"$OUT/perf_analyzer.log" 2>&1 &
 LOAD=$!
+LOAD_PID=$LOAD
 # utime + stime of every thread of the server process and of its children (edge processes)
 cpu_ticks() { for p in $PID $(pgrep -P "$PID"); do awk '{print $14 + $15}' "/proc/$p/stat"; done | awk '{s += $1} END {print s}'; }
-# the same per thread: "pid/tid name ticks" (a name's spaces as _)
-thread_ticks() {
+# per thread, from the scheduler's own accounting (/proc/.../schedstat, nanoseconds): "pid/tid name
+# on-CPU waiting-for-a-CPU timeslices" (a name's spaces as _). The wait is time runnable but not running:
+# on 2 vCPUs, where the threads of the server and of the load generator outnumber the cores, it says
+# who queues behind whom, which CPU time alone cannot.
+thread_sched() {
   for p in $PID $(pgrep -P "$PID"); do
-    for t in /proc/"$p"/task/*; do echo "$p/${t##*/} $(tr ' ' _ <"$t/comm") $(awk '{print $14 + $15}' "$t/stat")"; done
-  done | sort
+    for t in /proc/"$p"/task/*; do
+      echo "$p/${t##*/} $(tr ' ' _ <"$t/comm" 2>/dev/null) $(cat "$t/schedstat" 2>/dev/null)"
+    done
+  done | awk 'NF == 5' | sort
 }
+# the load generator's own CPU (utime + stime ticks, every thread): what a request costs the client
+load_ticks() { awk '{print $14 + $15}' "/proc/$LOAD_PID/stat" 2>/dev/null || echo 0; }
 sleep 4 # perf_analyzer's warm-up
-t0=$(date +%s.%N) c0=$(cpu_ticks)
-thread_ticks >"$OUT/threads-0.txt"
+t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
+thread_sched >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
   py-spy record --pid "$PID" --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
     -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
 else
   sleep "$SECONDS_SPY"
 fi
-t1=$(date +%s.%N) c1=$(cpu_ticks)
-thread_ticks >"$OUT/threads-1.txt"
+t1=$(date +%s.%N) c1=$(cpu_ticks) l1=$(load_ticks)
+thread_sched >"$OUT/threads-1.txt"
 wait $LOAD || true
 rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail -n 1)
 [ -n "$rate" ] || { cat "$OUT/perf_analyzer.log"; exit 1; }
@@ -79,10 +89,13 @@ echo "perf_analyzer: $rate req/s at concurrency $CONC ($MODE); about $requests r
 python3 -c "import sys; t0, t1, c, r, hz = map(float, sys.argv[1:]); t = t1 - t0
 print(f'server processes: {c / hz / t:.2f} cores busy, {1e6 * c / hz / (r * t):.0f} us CPU per request')" \
   "$t0" "$t1" "$((c1 - c0))" "$rate" "$(getconf CLK_TCK)" | tee -a "$OUT/summary.md"
-# CPU per request of each thread (without py-spy, the undisturbed figures)
-join "$OUT/threads-0.txt" "$OUT/threads-1.txt" | awk -v hz="$(getconf CLK_TCK)" -v r="$rate" -v t="$(python3 -c "print($t1 - $t0)")" \
-  'BEGIN {print "| thread | us CPU per request |"; print "| --- | ---: |"}
-   $5 > $3 {printf "| %s (%s) | %.0f |\n", $2, $1, 1e6 * ($5 - $3) / hz / (r * t)}' | tee -a "$OUT/summary.md"
+python3 -c "import sys; l, r, t, hz = map(float, sys.argv[1:]); print(f'perf_analyzer: {1e6 * l / hz / (r * t):.0f} us CPU per request')" \
+  "$((l1 - l0))" "$rate" "$(python3 -c "print($t1 - $t0)")" "$(getconf CLK_TCK)" | tee -a "$OUT/summary.md"
+# Each thread's time on a CPU and waiting for one, per request (without py-spy, the undisturbed figures)
+join "$OUT/threads-0.txt" "$OUT/threads-1.txt" | awk -v r="$rate" -v t="$(python3 -c "print($t1 - $t0)")" \
+  'BEGIN {print "| thread | us on a CPU per request | us waiting for one | timeslices per request |"; print "| --- | ---: | ---: | ---: |"}
+   $7 > $3 || $8 > $4 {n = r * t; printf "| %s (%s) | %.0f | %.0f | %.2f |\n", $2, $1, ($7 - $3) / 1e3 / n, ($8 - $4) / 1e3 / n, ($9 - $5) / n}' \
+  | tee -a "$OUT/summary.md"
 [ "${SPY:-1}" = 1 ] && "$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
 grep -E "Throughput|p50 latency|p99 latency" "$OUT/perf_analyzer.log" | tee -a "$OUT/summary.md" || true
 echo "profile in $OUT"

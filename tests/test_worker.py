@@ -127,6 +127,32 @@ def test_torch_threads_apply_on_the_worker_thread_itself() -> None:
         w.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="OS thread names are read from Linux's /proc")
+def test_the_worker_thread_and_its_openmp_threads_carry_the_workers_name() -> None:
+    # top -H, ps -L and profile.sh's table tell them apart by it; otherwise all show as the process.
+    def named() -> set[int]:
+        return {int(t) for t in os.listdir("/proc/self/task") if _comm(t) == "attn-cpu"}
+
+    before = named()  # other tests' workers, and their OpenMP threads, may still be ending
+    w = worker(torch_threads=2)
+    try:
+        a = torch.randn(512, 512)
+        worker_tid = w.executor.submit(threading.get_native_id).result()
+        assert named() - before == {worker_tid}
+        w.executor.submit(torch.mm, a, a).result()  # a parallel region: OpenMP starts its pool's thread
+        assert len(named() - before - {worker_tid}) == 1
+    finally:
+        w.close()
+
+
+def _comm(tid: str) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:  # the thread ended meanwhile
+        return None
+
+
 def test_a_batch_report_counts_tokens_and_padding() -> None:
     w = worker()
     try:

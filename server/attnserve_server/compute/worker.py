@@ -71,6 +71,17 @@ CUDA_LANES = 2
 PINNED_PRESIZE_CAP = 256 << 20
 
 
+def name_os_thread(name: str) -> None:
+    """Names the calling thread for the OS (Linux keeps 15 bytes), as `top -H`, `ps -L` and
+    /proc/PID/task/*/comm show it; threads it starts inherit the name, OpenMP's pool among them. Python
+    names its threads only for itself, so every thread of the server otherwise shows as `attnserve`."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
+            comm.write(name.encode()[:15])
+    except OSError:  # not Linux, or no /proc: the name is only a convenience
+        pass
+
+
 class _Lane:
     """What one in-flight batch needs on the worker: its stream, its staging slab and its output slabs."""
 
@@ -86,11 +97,6 @@ class _Lane:
         if self.stager.slab is not None and self.out is not None:
             self.stager.slab.take(min(inputs, PINNED_PRESIZE_CAP))
             self.out.take(min(outputs, PINNED_PRESIZE_CAP))
-
-    def one_thread_alone(self, macs: int) -> bool:
-        """Whether a lone request of `macs` multiply-adds runs on one intra-op thread by size alone (on the
-        CPU: compute/threads.py), so that computing it starts no OpenMP pool on the calling thread."""
-        return self._threads.for_batch(self._most_threads, macs, 1) == 1
 
     def pinned_bytes(self) -> int:
         slabs = (self.stager.slab, self.out, self.weights_out)
@@ -141,6 +147,7 @@ class DeviceWorker:
     def _start_thread(self) -> None:
         """Each executor thread takes a lane of its own for good, and computes without autograd."""
         self._local.lane = self._free_lanes.pop()
+        name_os_thread(f"attn-{self.name}")  # attn-cpu, attn-cuda:0; its OpenMP threads too
         torch.set_grad_enabled(False)  # thread-local: see `run`
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
