@@ -54,7 +54,6 @@ LD_LIBRARY_PATH=$CUDART "$PA" -m "$MODEL" -u "127.0.0.1:$PORT" -i grpc --input-d
   --concurrency-range "$CONC:$CONC" --measurement-interval $((SECONDS_PA * 1000 / 3)) -s 1000 -r 3 \
   "${MODE_FLAG[@]}" ${PA_ARGS:-} >"$OUT/perf_analyzer.log" 2>&1 &
 LOAD=$!
-LOAD_PID=$LOAD
 # utime + stime of every thread of the server process and of its children (edge processes)
 cpu_ticks() { for p in $PID $(pgrep -P "$PID"); do awk '{print $14 + $15}' "/proc/$p/stat"; done | awk '{s += $1} END {print s}'; }
 # per thread, from the scheduler's own accounting (/proc/.../schedstat, nanoseconds): "pid/tid name
@@ -69,7 +68,7 @@ thread_sched() {
   done | awk 'NF == 5' | sort
 }
 # the load generator's own CPU (utime + stime ticks, every thread): what a request costs the client
-load_ticks() { awk '{print $14 + $15}' "/proc/$LOAD_PID/stat" 2>/dev/null || echo 0; }
+load_ticks() { awk '{print $14 + $15}' "/proc/$LOAD/stat" 2>/dev/null || echo 0; }
 sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
 thread_sched >"$OUT/threads-0.txt"

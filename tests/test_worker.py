@@ -138,9 +138,12 @@ def test_the_worker_thread_and_its_openmp_threads_carry_the_workers_name() -> No
     try:
         a = torch.randn(512, 512)
         worker_tid = w.executor.submit(threading.get_native_id).result()
-        assert named() - before == {worker_tid}
-        w.executor.submit(torch.mm, a, a).result()  # a parallel region: OpenMP starts its pool's thread
-        assert len(named() - before - {worker_tid}) == 1
+        # In a fresh process torch's first thread setting on the worker may already start OpenMP's thread.
+        assert worker_tid in named() - before
+        w.executor.submit(torch.mm, a, a).result()  # a parallel region: OpenMP's thread exists by now
+        # Every thread the worker's thread started carries its name: OpenMP's, and in a fresh process
+        # whichever else torch starts there on its first call (one more, here).
+        assert len(named() - before - {worker_tid}) >= 1
     finally:
         w.close()
 

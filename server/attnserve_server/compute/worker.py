@@ -74,7 +74,7 @@ PINNED_PRESIZE_CAP = 256 << 20
 def name_os_thread(name: str) -> None:
     """Names the calling thread for the OS (Linux keeps 15 bytes), as `top -H`, `ps -L` and
     /proc/PID/task/*/comm show it; threads it starts inherit the name, OpenMP's pool among them. Python
-    names its threads only for itself, so every thread of the server otherwise shows as `attnserve`."""
+    names its threads only for itself, so a thread it starts otherwise shows as the process, `attnserve`."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
             comm.write(name.encode()[:15])
