@@ -149,6 +149,74 @@ def test_pipelining_leaves_the_batches_of_a_model_with_a_delay_whole() -> None:
     run(main())
 
 
+def test_under_load_a_batch_of_little_work_lingers_for_more_without_the_pipelining_cap() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        # A linger far longer than the test: only reaching linger_work can close this batch.
+        b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
+        blocker, threads = await occupy(b, runner)
+        first = submit(b, "a", work=3)  # arrives while the runner computes: clients are ahead of it
+        await until(lambda: b.depth == 1)
+        runner.gate.set()
+        await blocker  # the runner is back for its next batch, and finds 3 of 10 queued
+        rest = [submit(b, "b", work=3), submit(b, "c", work=4)]
+        assert await asyncio.gather(first, *rest) == [("done", x) for x in "abc"]
+        # One batch: without lingering "a" ran alone, and pipelining would have split the three.
+        assert runner.batches == [["block"], ["a", "b", "c"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_runner_that_saw_no_arrivals_while_computing_takes_a_lone_request_at_once() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        # One client at a time (concurrency 1): nothing arrives while a batch computes, so a lingering
+        # runner would hold each request the whole minute; the test's 20 s timeout would fail it.
+        b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
+        threads = start(b, runner)
+        for x in "abc":
+            assert await submit(b, x, work=1) == ("done", x)
+        assert runner.batches == [["a"], ["b"], ["c"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_lingering_batch_closes_max_linger_s_after_its_first_request() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(linger_work=10, max_linger_s=0.05))
+        blocker, threads = await occupy(b, runner)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = submit(b, "a", work=3)
+        await until(lambda: b.depth == 1)
+        runner.gate.set()
+        assert await first == ("done", "a")  # alone: nothing else came
+        assert loop.time() - t0 >= 0.05
+        assert runner.batches == [["block"], ["a"]] and await blocker == ("done", "block")
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_batch_with_enough_work_does_not_linger() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(linger_work=10, max_linger_s=60.0))
+        blocker, threads = await occupy(b, runner)
+        first = submit(b, "a", work=10)
+        await until(lambda: b.depth == 1)
+        runner.gate.set()
+        assert await first == ("done", "a")  # well inside the 20 s timeout, not after 60
+        assert runner.batches == [["block"], ["a"]] and await blocker == ("done", "block")
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_free_runner_takes_its_next_batch_without_the_event_loop() -> None:
     # Under load the loop is busy decoding and answering; the device must not wait for it. The loop
     # is held below, synchronously, while the runner finishes one batch: a runner that needed the

@@ -81,6 +81,8 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_MIN_PARALLEL_SPEEDUP": "0.5"}, "min_parallel_speedup: expected 0 or >= 1, got 0.5"),
         ({"ATTNSERVE_IDLE_SPIN_MS": "-1"}, "idle_spin_ms: expected >= 0, got -1.0"),
         ({"ATTNSERVE_IDLE_SPIN_MS": "nan"}, "idle_spin_ms: expected >= 0, got nan"),
+        ({"ATTNSERVE_LINGER_MACS": "-1"}, "batching.linger_macs: expected >= 0, got -1"),
+        ({"ATTNSERVE_MAX_LINGER_MS": "nan"}, "batching.max_linger_ms: expected >= 0, got nan"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
@@ -143,3 +145,13 @@ def test_the_event_loop_is_uvloop_when_installed_asyncio_when_asked_and_a_clear_
         loop_factory("uvloop")
     with pytest.raises(ConfigError, match="event_loop: expected one of"):
         loop_factory("trio")
+
+
+def test_lingering_reaches_the_batcher_in_its_own_units() -> None:
+    from attnserve_server.model import limits_from_settings
+
+    s = load_settings(env={}, flags={"linger_macs": 5_000_000, "max_linger_ms": 2.5})
+    limits = limits_from_settings(s.models[0])
+    assert (limits.linger_work, limits.max_linger_s) == (5_000_000, 0.0025)
+    off = limits_from_settings(load_settings(env={"ATTNSERVE_LINGER_MACS": "0"}).models[0])
+    assert off.linger_work == 0

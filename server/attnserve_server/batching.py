@@ -20,6 +20,18 @@ concurrency 4 and 8 and the same at 1; at 32 the pairs gained 9-26%, which one s
 not confirm (BENCHMARKS.md, eleventh pass). A model with a max_queue_delay asked for full batches:
 it gets no cap.
 
+Lingering (`BatchLimits.linger_work`, `max_linger_s`): a free runner takes what is queued at once,
+which under load is the right call for requests whose compute dwarfs a batch's fixed cost (W1), and
+the wrong one for small requests. When the event loop is the bottleneck (L=16 at concurrency 64 on
+the 2-vCPU VM), a runner that takes each request or two as they trickle in spends a batch's fixed
+cost (dispatch, staging, two thread wakes) on each, and takes that CPU from the loop: batches of 1.5
+served 0.80x the 60-line batcher, whose 1 ms window gathers more. So a runner lingers, but only when
+requests arrived while it computed its last batch (clients are ahead of it; a lone client's next
+request cannot arrive before its answer, so concurrency 1 never waits), and only for a batch with
+less work than `linger_work`: it then waits up to `max_linger_s` after the batch's first request for
+more, without the pipelining cap, which would otherwise hold such batches at one or two requests.
+L=16 at concurrency 64 served 18% more (BENCHMARKS.md, twenty-third pass).
+
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
 
@@ -66,6 +78,11 @@ class BatchLimits:
     # A batch takes at most half the requests in play (module docstring). Off here, the mechanism's
     # default; a served model's settings turn it on unless configured otherwise.
     pipeline: bool = False
+    # Lingering (module docstring): a batch of less work than `linger_work` (the items' `work` units,
+    # multiply-adds for a served model) waits up to `max_linger_s` after its first request for more,
+    # while requests keep arriving as batches compute. 0 (either): never.
+    linger_work: int = 0
+    max_linger_s: float = 0.0
 
 
 # A call the caller cancels this close to its deadline is counted as expired, not cancelled: the
@@ -118,6 +135,7 @@ class _Entry(Generic[T]):
     length: int
     nbytes: int
     memory: int
+    work: int
     group: Hashable
     enqueued: float  # time.monotonic()
     expires: float  # time.monotonic(); inf without a deadline
@@ -160,6 +178,7 @@ class Batcher(Generic[T, R]):
         self._depth = 0
         self._queued_bytes = 0
         self._last_taken = 0  # requests in the batch taken last (pipelining counts them as in play)
+        self._admitted = 0  # items ever queued: a runner counts those that arrived while it computed
         self._in_flight: set[_Batch[T]] = set()
         self._closing = False  # draining: no new items, and queued ones run without their delay
         self._stopped = False  # closed: runners return
@@ -210,6 +229,7 @@ class Batcher(Generic[T, R]):
         expire: bool = True,
         nbytes: int = 0,
         memory: int = 0,
+        work: int = 0,
     ) -> R:
         """Queues one item and waits for a runner's result for it. `deadline` is on the loop's clock.
 
@@ -220,7 +240,7 @@ class Batcher(Generic[T, R]):
         loop = self._loop or asyncio.get_running_loop()  # (get_running_loop costs a getpid() in 3.11)
         now = time.monotonic()
         expires = math.inf if deadline is None else now + (deadline - loop.time())
-        entry = _Entry(item, sequences, length, nbytes, memory, group, now, expires, loop.create_future())
+        entry = _Entry(item, sequences, length, nbytes, memory, work, group, now, expires, loop.create_future())
         solo, on_quiet = self._solo, self._on_quiet
         quiet = (solo is not None or on_quiet is not None) and self._quiet()
         if on_quiet is not None:
@@ -235,6 +255,7 @@ class Batcher(Generic[T, R]):
                 self._groups.setdefault(group, deque()).append(entry)
                 self._queued_bytes += nbytes
                 self._depth += 1
+                self._admitted += 1
                 self._cond.notify()
         if refused is not None:
             self._refuse(*refused)
@@ -348,8 +369,10 @@ class Batcher(Generic[T, R]):
         loop = self._loop
         assert loop is not None, "start() the batcher on its event loop first"
         batch: _Batch[T] | None = None  # taken and not yet handed back
+        admitted: int | None = None  # the batcher's admissions when this runner took its last batch
         try:
-            while (batch := self._take()) is not None:
+            while (taking := self._take(admitted)) is not None:
+                batch, admitted = taking
                 results: list[R] | None = None
                 error: BaseException | None = None
                 try:
@@ -365,12 +388,18 @@ class Batcher(Generic[T, R]):
             if not self._post(loop, self._die, exc):  # _die logs it, on the loop
                 log.critical("the batcher failed after its event loop closed", exc_info=exc)
 
-    def _take(self) -> _Batch[T] | None:
-        """Waits for a batch that may run now and takes it out of the queue; None once stopped."""
-        delay = self._limits.max_queue_delay_s
+    def _take(self, admitted: int | None) -> tuple[_Batch[T], int] | None:
+        """Waits for a batch that may run now and takes it out of the queue: the batch, and the
+        admissions so far (the next call's `admitted`); None once stopped. `admitted`: the admissions
+        when this runner took its previous batch (None: its first)."""
+        limits = self._limits
+        delay = limits.max_queue_delay_s
         loop = self._loop
         assert loop is not None
         with self._cond:
+            # Requests arrived while this runner computed its last batch: clients are ahead of it,
+            # so a small batch may wait for more (lingering, the module docstring).
+            linger = limits.max_linger_s if admitted is not None and self._admitted > admitted else 0.0
             while True:
                 if self._stopped or self._broken is not None or loop.is_closed():
                     return None
@@ -379,8 +408,13 @@ class Batcher(Generic[T, R]):
                     self._cond.wait(IDLE_CHECK_S)
                     continue
                 now = time.monotonic()
-                count, full = self._plan(head.group)
+                count, full, work = self._plan(head.group)
                 close_at = head.enqueued + delay
+                if linger and work < limits.linger_work:
+                    # Too little work to pay for a batch: no pipelining cap, and wait for more.
+                    count, full, work = self._plan(head.group, pipeline=False)
+                    if not full and work < limits.linger_work:
+                        close_at = max(close_at, head.enqueued + linger)
                 if not (full or self._closing or close_at <= now):
                     self._cond.wait(close_at - now)
                     continue
@@ -389,33 +423,35 @@ class Batcher(Generic[T, R]):
                     self._cond.notify()  # more may run: another idle runner's turn
                 if batch.entries:
                     self._in_flight.add(batch)
-                    return batch
+                    return batch, self._admitted
 
     def _oldest(self) -> _Entry[T] | None:
         heads = [q[0] for q in self._groups.values()]
         return min(heads, key=lambda e: e.enqueued) if heads else None
 
-    def _plan(self, group: Hashable) -> tuple[int, bool]:
-        """How many queued entries of `group` fit one batch, and whether that batch is full."""
+    def _plan(self, group: Hashable, pipeline: bool = True) -> tuple[int, bool, int]:
+        """How many queued entries of `group` fit one batch, whether that batch is full, and its work
+        (`pipeline` False: without the pipelining cap)."""
         limits = self._limits
-        count = sequences = longest = memory = 0
+        count = sequences = longest = memory = work = 0
         queue = self._groups.get(group, ())
         cap = len(queue)
-        if limits.pipeline and limits.max_queue_delay_s <= 0:  # a delay asks for full batches: no cap
+        if pipeline and limits.pipeline and limits.max_queue_delay_s <= 0:  # a delay asks for full batches: no cap
             cap = max(1, (self._last_taken + len(queue)) // 2)
         for entry in queue:
             if count >= cap:
-                return count, True
+                return count, True, work
             total = sequences + entry.sequences
             tokens = total * max(longest, entry.length)
             more = memory + entry.memory
             over = total > limits.max_batch_size or tokens > limits.max_batch_tokens
             if count and (over or more > limits.max_batch_memory_bytes):
-                return count, True
+                return count, True, work
             count, sequences, longest, memory = count + 1, total, max(longest, entry.length), more
+            work += entry.work
             if sequences >= limits.max_batch_size or tokens >= limits.max_batch_tokens:
-                return count, True
-        return count, False
+                return count, True, work
+        return count, False, work
 
     def _pop(self, key: Hashable, count: int, now: float) -> _Batch[T]:
         """The first `count` entries of a group, less those whose deadline has passed (they are

@@ -70,6 +70,8 @@ def limits_from_settings(settings: ModelSettings) -> BatchLimits:
         max_queue_bytes=b.max_queue_bytes,
         max_batch_memory_bytes=b.max_batch_memory_bytes,
         pipeline=b.pipeline,
+        linger_work=b.linger_macs,
+        max_linger_s=b.max_linger_ms / 1e3,
     )
 
 
@@ -226,6 +228,7 @@ class ServedModel:
             expire=expire,
             nbytes=request.nbytes,
             memory=request.memory_bytes,
+            work=compute_macs(self.spec, request.sequences, request.query_len, request.key_len),
         )
 
     def pinned_bytes(self) -> dict[str, int]:

@@ -27,6 +27,9 @@ ENV_PREFIX = "ATTNSERVE_"
 DTYPES = ("auto", *FLOATS)
 KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
+# Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third pass, how they were chosen).
+LINGER_MACS = 16_000_000
+MAX_LINGER_MS = 1.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -44,6 +47,10 @@ class BatchingSettings:
     # A batch takes at most half the requests in play, so the loop answers one half while the worker
     # computes the other (batching.py).
     pipeline: bool = True
+    # Under load a batch of fewer multiply-adds than this waits up to max_linger_ms after its first
+    # request for more (batching.py: lingering); 0 turns it off.
+    linger_macs: int = LINGER_MACS
+    max_linger_ms: float = MAX_LINGER_MS
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,15 @@ OPTIONS: tuple[Option, ...] = (
         "true: a batch takes at most half the requests in play (those the last batch answered plus those"
         " waiting), so answering one half overlaps computing the other; false: all that fit (default true)",
     ),
+    Option(
+        "linger-macs",
+        "batching",
+        int,
+        "under load (requests arrived while the last batch computed), a batch of fewer multiply-adds than"
+        " this waits up to --max-linger-ms after its first request for more; 0 turns it off"
+        f" (default {LINGER_MACS})",
+    ),
+    Option("max-linger-ms", "batching", float, f"the longest a batch lingers (default {MAX_LINGER_MS:g})"),
     Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
     Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
     Option(
@@ -494,6 +510,8 @@ def validate(settings: ServerSettings) -> None:
         _check(b.max_batch_size > 0, f"{at}.batching.max_batch_size: expected > 0, got {b.max_batch_size}")
         _check(b.max_queue_size > 0, f"{at}.batching.max_queue_size: expected > 0, got {b.max_queue_size}")
         _check(b.max_queue_delay_ms >= 0, f"{at}.batching.max_queue_delay_ms: expected >= 0")
+        _check(b.linger_macs >= 0, f"{at}.batching.linger_macs: expected >= 0, got {b.linger_macs}")
+        _check(b.max_linger_ms >= 0, f"{at}.batching.max_linger_ms: expected >= 0, got {b.max_linger_ms}")
         _check(b.max_queue_bytes > 0, f"{at}.batching.max_queue_bytes: expected > 0, got {b.max_queue_bytes}")
         _check(
             b.max_batch_memory_bytes > 0,
