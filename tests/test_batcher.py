@@ -149,15 +149,22 @@ def test_pipelining_leaves_the_batches_of_a_model_with_a_delay_whole() -> None:
     run(main())
 
 
+async def arrives_while_busy(b: Batcher, runner: FakeRunner, work: int) -> tuple[asyncio.Future, asyncio.Future, list]:
+    """Request "a" (of `work`) arrives while the runner computes "block"; then the runner is let go. Returns
+    "a"'s and the blocker's futures, and the runner's threads."""
+    blocker, threads = await occupy(b, runner)
+    first = submit(b, "a", work=work)
+    await until(lambda: b.depth == 1)
+    runner.gate.set()
+    return first, blocker, threads
+
+
 def test_under_load_a_batch_of_little_work_lingers_for_more_without_the_pipelining_cap() -> None:
     async def main() -> None:
         runner = FakeRunner()
         # A linger far longer than the test: only reaching linger_work can close this batch.
         b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
-        blocker, threads = await occupy(b, runner)
-        first = submit(b, "a", work=3)  # arrives while the runner computes: clients are ahead of it
-        await until(lambda: b.depth == 1)
-        runner.gate.set()
+        first, blocker, threads = await arrives_while_busy(b, runner, work=3)
         await blocker  # the runner is back for its next batch, and finds 3 of 10 queued
         rest = [submit(b, "b", work=3), submit(b, "c", work=4)]
         assert await asyncio.gather(first, *rest) == [("done", x) for x in "abc"]
@@ -184,33 +191,19 @@ def test_a_runner_that_saw_no_arrivals_while_computing_takes_a_lone_request_at_o
     run(main())
 
 
-def test_a_lingering_batch_closes_max_linger_s_after_its_first_request() -> None:
+@pytest.mark.parametrize(("work", "linger_s"), [(3, 0.05), (10, 60.0)])
+def test_a_batch_lingers_at_most_max_linger_s_from_its_first_request_and_not_at_all_with_enough_work(
+    work: int, linger_s: float
+) -> None:
     async def main() -> None:
         runner = FakeRunner()
-        b = Batcher(limits(linger_work=10, max_linger_s=0.05))
-        blocker, threads = await occupy(b, runner)
+        b = Batcher(limits(linger_work=10, max_linger_s=linger_s))
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        first = submit(b, "a", work=3)
-        await until(lambda: b.depth == 1)
-        runner.gate.set()
-        assert await first == ("done", "a")  # alone: nothing else came
-        assert loop.time() - t0 >= 0.05
-        assert runner.batches == [["block"], ["a"]] and await blocker == ("done", "block")
-        await stop(b, threads)
-
-    run(main())
-
-
-def test_a_batch_with_enough_work_does_not_linger() -> None:
-    async def main() -> None:
-        runner = FakeRunner()
-        b = Batcher(limits(linger_work=10, max_linger_s=60.0))
-        blocker, threads = await occupy(b, runner)
-        first = submit(b, "a", work=10)
-        await until(lambda: b.depth == 1)
-        runner.gate.set()
-        assert await first == ("done", "a")  # well inside the 20 s timeout, not after 60
+        first, blocker, threads = await arrives_while_busy(b, runner, work)
+        assert await first == ("done", "a")  # alone: nothing else came (60 s would time the test out)
+        if work < 10:
+            assert loop.time() - t0 >= linger_s
         assert runner.batches == [["block"], ["a"]] and await blocker == ("done", "block")
         await stop(b, threads)
 

@@ -369,9 +369,9 @@ class Batcher(Generic[T, R]):
         loop = self._loop
         assert loop is not None, "start() the batcher on its event loop first"
         batch: _Batch[T] | None = None  # taken and not yet handed back
-        admitted: int | None = None  # the batcher's admissions when this runner took its last batch
+        busy = False  # requests arrived while this runner computed its last batch
         try:
-            while (taking := self._take(admitted)) is not None:
+            while (taking := self._take(busy)) is not None:
                 batch, admitted = taking
                 results: list[R] | None = None
                 error: BaseException | None = None
@@ -379,6 +379,9 @@ class Batcher(Generic[T, R]):
                     results = run(batch.items)
                 except Exception as exc:  # the batch's failure, not the runner's: it serves on
                     error = exc
+                # Counted before the answers go out: a lone client's next request, sent once it has
+                # its answer, must not count, however late this thread reaches its next batch.
+                busy = self._admitted > admitted
                 taken, batch = batch, None
                 if not self._post(loop, self._batch_done, taken, results, error, done):
                     return
@@ -388,10 +391,10 @@ class Batcher(Generic[T, R]):
             if not self._post(loop, self._die, exc):  # _die logs it, on the loop
                 log.critical("the batcher failed after its event loop closed", exc_info=exc)
 
-    def _take(self, admitted: int | None) -> tuple[_Batch[T], int] | None:
+    def _take(self, busy: bool) -> tuple[_Batch[T], int] | None:
         """Waits for a batch that may run now and takes it out of the queue: the batch, and the
-        admissions so far (the next call's `admitted`); None once stopped. `admitted`: the admissions
-        when this runner took its previous batch (None: its first)."""
+        admissions so far; None once stopped. `busy`: requests arrived while this runner computed its
+        previous batch (it may linger)."""
         limits = self._limits
         delay = limits.max_queue_delay_s
         loop = self._loop
@@ -399,7 +402,7 @@ class Batcher(Generic[T, R]):
         with self._cond:
             # Requests arrived while this runner computed its last batch: clients are ahead of it,
             # so a small batch may wait for more (lingering, the module docstring).
-            linger = limits.max_linger_s if admitted is not None and self._admitted > admitted else 0.0
+            linger = limits.max_linger_s if busy else 0.0
             while True:
                 if self._stopped or self._broken is not None or loop.is_closed():
                     return None
