@@ -30,7 +30,8 @@ requests arrived while it computed its last batch (clients are ahead of it; a lo
 request cannot arrive before its answer, so concurrency 1 never waits), and only for a batch with
 less work than `linger_work`: it then waits up to `max_linger_s` after the batch's first request for
 more, without the pipelining cap, which would otherwise hold such batches at one or two requests.
-L=16 at concurrency 64 served 18% more (BENCHMARKS.md, twenty-third pass).
+L=16 at concurrency 64 served 18% more while the host was fast and about the same while it was slow,
+when slower batches gather more requests anyway (BENCHMARKS.md, twenty-third pass).
 
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
