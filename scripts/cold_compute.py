@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from attnserve_server import openmp
+from attnserve_server.runtime import openmp
 
 # The two spins `serve` sets (openmp.py): beside a GPU, and where every model computes on the CPU.
 SPINS = {f"short ({openmp.GPU_SPIN_COUNT})": openmp.GPU_SPIN_COUNT, f"long ({openmp.SPIN_COUNT})": openmp.SPIN_COUNT}

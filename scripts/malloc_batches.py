@@ -24,7 +24,7 @@ CASES = ("glibc default", "serve's settings")
 
 
 def measure(case: str, length: int, embed_dim: int, num_heads: int) -> tuple[float, int, int]:
-    from attnserve_server import allocator, openmp
+    from attnserve_server.runtime import allocator, openmp
 
     openmp.set_defaults(os.environ)
     if case == CASES[1]:

@@ -22,7 +22,7 @@ CASES = ("nowhere", "another thread", "main thread")
 def measure(case: str) -> tuple[float, float]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from attnserve_server import openmp
+    from attnserve_server.runtime import openmp
 
     openmp.set_defaults(os.environ)  # as `attnserve serve` does: before torch (and libgomp) loads
     import torch

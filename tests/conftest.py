@@ -21,7 +21,7 @@ from attnserve_server import AttnServer
 from attnserve_server.compute.staging import host_tensor
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest
-from attnserve_server.eventloop import loop_factory
+from attnserve_server.runtime.eventloop import loop_factory
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
 
 

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from attnserve import Client
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.idle_spin import MAX_SPINNERS, QUIET_STREAK, IdleSpin, cpu_quota, spin_cpus, supported
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel
+from attnserve_server.runtime.idle_spin import MAX_SPINNERS, QUIET_STREAK, IdleSpin, cpu_quota, spin_cpus, supported
 from attnserve_server.settings import ModelSettings
 
 from conftest import model, request, running, settings
@@ -166,7 +166,7 @@ def test_spinners_that_were_killed_turn_idle_spin_off_and_requests_go_on(caplog)
 @needs_linux
 def test_spinners_exit_when_the_server_process_is_killed() -> None:
     code = (
-        "import sys; from attnserve_server.idle_spin import IdleSpin\n"
+        "import sys; from attnserve_server.runtime.idle_spin import IdleSpin\n"
         "spin = IdleSpin(0.05, [0, 0]); spin.start(); spin.touch()\n"
         "print(*spin.pids, flush=True); sys.stdin.read()\n"
     )
@@ -244,7 +244,7 @@ def test_only_requests_after_a_quiet_streak_make_the_spinners_spin() -> None:
 
 @needs_linux
 def test_spinners_that_cannot_start_leave_the_server_serving_without_them(monkeypatch, caplog) -> None:
-    from attnserve_server import idle_spin
+    from attnserve_server.runtime import idle_spin
 
     monkeypatch.setattr(idle_spin.sys, "executable", "/nonexistent/python")
     spin = IdleSpin(0.01, [0, 1])

@@ -28,7 +28,7 @@ from attnserve_bench.process import spawn_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
-from attnserve_server import openmp
+from attnserve_server.runtime import openmp
 
 from conftest import TEST_LOOP, Running
 

@@ -135,7 +135,7 @@ def test_the_event_loop_is_uvloop_when_installed_asyncio_when_asked_and_a_clear_
     import uvloop
 
     from attnserve_server.errors import ConfigError
-    from attnserve_server.eventloop import loop_factory
+    from attnserve_server.runtime.eventloop import loop_factory
 
     assert loop_factory("auto") == ("uvloop", uvloop.new_event_loop)  # the server extra installs it
     assert loop_factory("asyncio") == ("asyncio", asyncio.new_event_loop)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack, split
@@ -33,6 +32,7 @@ from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
+from attnserve_server.runtime import allocator, openmp, pyheap
 from attnserve_server.settings import ModelSettings
 
 from conftest import output_of, request, weights_of
@@ -537,7 +537,7 @@ def test_a_model_may_use_a_gpu_where_asked_for_or_auto_finds_a_driver(devices, e
 _WHERE_96_MIB = """
 import os, sys, threading
 if sys.argv[1] == "tuned":
-    from attnserve_server import allocator
+    from attnserve_server.runtime import allocator
     allocator.set_defaults(os.environ)
 import numpy as np
 
@@ -591,7 +591,7 @@ def test_the_operators_own_malloc_settings_win(environ, chosen) -> None:
 
 _SETTLE = """
 import gc, weakref
-from attnserve_server import pyheap
+from attnserve_server.runtime import pyheap
 class Node: pass
 kept = Node(); kept.cycle = kept  # what startup keeps
 garbage = Node(); garbage.cycle = garbage  # what startup leaves

@@ -26,8 +26,8 @@ import numpy as np
 
 from attnserve_bench.process import spawn_serve
 from attnserve_bench.results import Row, plot, table
-from attnserve_server import allocator, openmp
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
+from attnserve_server.runtime import allocator, openmp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

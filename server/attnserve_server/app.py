@@ -15,10 +15,10 @@ from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, PortUnavailable
-from attnserve_server.idle_spin import IdleSpin
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
+from attnserve_server.runtime.idle_spin import IdleSpin
 from attnserve_server.settings import ServerSettings
 from attnserve_server.tracing import Tracing
 from attnserve_server.tracing import from_environment as tracing_from_environment

@@ -11,8 +11,8 @@ import signal
 import sys
 from typing import Any
 
-from attnserve_server import allocator, openmp, pyheap
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
+from attnserve_server.runtime import allocator, openmp, pyheap
 from attnserve_server.settings import OPTIONS
 
 _DESCRIPTION = "attnserve: multi-head attention served over gRPC."
@@ -143,7 +143,7 @@ async def _serve(settings: Any) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from attnserve_server.errors import ConfigError
-    from attnserve_server.eventloop import loop_factory
+    from attnserve_server.runtime.eventloop import loop_factory
     from attnserve_server.settings import load_settings, misspelt_variables
 
     try:

@@ -17,8 +17,8 @@ from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, compute_macs
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
-from attnserve_server.idle_spin import QUIET_STREAK
 from attnserve_server.metrics import InferenceStats, ModelMetrics
+from attnserve_server.runtime.idle_spin import QUIET_STREAK
 from attnserve_server.settings import ModelSettings
 from attnserve_server.tracing import Tracing
 

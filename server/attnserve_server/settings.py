@@ -18,8 +18,8 @@ from attnserve_server.compute.threads import ALONE_FLOOR_MACS, MIN_SPEEDUP, SMAL
 from attnserve_server.domain import ModelKind
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
-from attnserve_server.eventloop import CHOICES as EVENT_LOOPS
-from attnserve_server.idle_spin import WINDOW_MS
+from attnserve_server.runtime.eventloop import CHOICES as EVENT_LOOPS
+from attnserve_server.runtime.idle_spin import WINDOW_MS
 from attnserve_server.solo import SOLO_MACS
 
 ENV_PREFIX = "ATTNSERVE_"

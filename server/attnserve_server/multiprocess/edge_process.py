@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
-from attnserve_server import pyheap
 from attnserve_server.batching import BatchLimits, refusal
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.errors import ConfigError, ServingError
-from attnserve_server.eventloop import CHOICES, loop_factory
 from attnserve_server.metrics import InferenceStats, Metrics, ModelMetrics
 from attnserve_server.multiprocess import link
+from attnserve_server.runtime import pyheap
+from attnserve_server.runtime.eventloop import CHOICES, loop_factory
 from attnserve_server.settings import ModelSettings, ServerSettings
 from attnserve_server.tracing import Tracing
 from attnserve_server.tracing import from_environment as tracing_from_environment

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnserve_server import _idle_spinner
+from attnserve_server.runtime import _idle_spinner
 
 log = logging.getLogger(__name__)
 
