@@ -514,7 +514,15 @@ def test_openmp_spins_long_on_the_cpu_briefly_beside_a_gpu_unless_the_operator_c
 def test_the_command_line_and_the_runtime_settings_load_before_torch() -> None:
     # libgomp and glibc read their environment once, when torch loads: `serve` sets them first
     # (cli.py), so nothing it imports up to then may import torch.
-    modules = ["cli", "runtime.openmp", "runtime.allocator", "runtime.pyheap", "runtime.eventloop", "runtime.idle_spin"]
+    modules = [
+        "cli",
+        "runtime.openmp",
+        "runtime.allocator",
+        "runtime.pyheap",
+        "runtime.eventloop",
+        "runtime.idle_spin",
+        "runtime.cpu_layout",
+    ]
     imports = "".join(f"import attnserve_server.{m}\n" for m in modules)
     code = f"import sys\n{imports}print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -18,6 +18,7 @@ from attnserve_server.errors import ConfigError, PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
+from attnserve_server.runtime.cpu_layout import QuietLayout
 from attnserve_server.runtime.idle_spin import IdleSpin
 from attnserve_server.settings import ServerSettings
 from attnserve_server.tracing import Tracing
@@ -52,6 +53,11 @@ class AttnServer:
         self.tracing = Tracing(tracer_provider) if tracer_provider is not None else tracing_from_environment()
         # Spinners that keep the CPUs awake after each request (idle_spin.py); None: off here.
         self.idle_spin = IdleSpin.from_settings(settings.idle_spin_ms)
+        # The quiet layout (cpu_layout.py), made once the model's worker has started: only for one model
+        # served in this process, since it pins this process's loop and gRPC beside that model's worker.
+        self.layout: QuietLayout | None = None
+        self._layout_wanted = settings.quiet_layout and settings.edge_processes == 1 and len(settings.models) == 1
+        watching = self.idle_spin is not None or self._layout_wanted
         self.models = {
             m.name: ServedModel(
                 m,
@@ -61,7 +67,8 @@ class AttnServer:
                 settings.max_message_bytes,
                 self.tracing,
                 solo_macs=settings.solo_macs,
-                on_quiet=None if self.idle_spin is None else self.idle_spin.touch,
+                on_quiet=self._on_quiet if watching else None,
+                on_busy=self._on_busy if self._layout_wanted else None,
             )
             for m in settings.models
         }
@@ -75,6 +82,18 @@ class AttnServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self.failed = asyncio.Event()
+
+    def _on_quiet(self) -> None:
+        """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop)."""
+        if self.idle_spin is not None:
+            self.idle_spin.touch()
+        if self.layout is not None:
+            self.layout.quiet()
+
+    def _on_busy(self) -> None:
+        """The first request after such a streak that found company (on the loop)."""
+        if self.layout is not None:
+            self.layout.busy()
 
     def reload_tls(self) -> None:
         """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
@@ -140,6 +159,13 @@ class AttnServer:
         )
         if self.idle_spin is not None:
             self.idle_spin.start()
+        if self._layout_wanted:
+            (served,) = self.models.values()
+            team = served.cpu_team()
+            if team is None:
+                log.info("quiet layout off: the model is not served by one CPU worker")
+            else:
+                self.layout = QuietLayout.for_worker(*team)
         if self.edges is not None:
             # The edges start once the models are ready: each learns of them as they will serve.
             await self.edges.start()
@@ -178,6 +204,8 @@ class AttnServer:
                 log.error("error during shutdown: %r", result)
         if self._health_server is not None:  # last: probes see NOT_SERVING for the whole drain
             await self._health_server.stop(0)
+        if self.layout is not None:
+            self.layout.close()  # every thread free again
         for served in self.models.values():
             await asyncio.to_thread(served.close)
         if self.idle_spin is not None:

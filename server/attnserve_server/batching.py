@@ -189,6 +189,7 @@ class Batcher(Generic[T, R]):
         self._listeners: list[Callable[[int, int, bool], None]] = []
         self._solo: _Solo[T, R] | None = None
         self._on_quiet: Callable[[], None] | None = None  # watch_quiet
+        self._on_busy: Callable[[], None] | None = None
         self._quiet_streak = 0
         self._quiet_in_a_row = 0  # admissions in a row that found the batcher quiet
 
@@ -212,10 +213,11 @@ class Batcher(Generic[T, R]):
         the loop's thread while that runner is idle: nothing else computes while the loop does."""
         self._solo = _Solo(run, done, eligible, policy or SoloPolicy())
 
-    def watch_quiet(self, listener: Callable[[], None], streak: int) -> None:
+    def watch_quiet(self, listener: Callable[[], None], streak: int, on_busy: Callable[[], None] | None = None) -> None:
         """Calls `listener()` (on the loop) at each admission once `streak` admissions in a row, this
-        one included, have found the batcher quiet (nothing queued or computing)."""
-        self._on_quiet, self._quiet_streak = listener, streak
+        one included, have found the batcher quiet (nothing queued or computing), and `on_busy()` at
+        the first admission that finds it busy after such a streak."""
+        self._on_quiet, self._quiet_streak, self._on_busy = listener, streak, on_busy
 
     # -- admission (on the loop) -----------------------------------------------------------
 
@@ -245,9 +247,14 @@ class Batcher(Generic[T, R]):
         solo, on_quiet = self._solo, self._on_quiet
         quiet = (solo is not None or on_quiet is not None) and self._quiet()
         if on_quiet is not None:
-            self._quiet_in_a_row = self._quiet_in_a_row + 1 if quiet else 0
-            if self._quiet_in_a_row >= self._quiet_streak:
-                on_quiet()
+            if quiet:
+                self._quiet_in_a_row += 1
+                if self._quiet_in_a_row >= self._quiet_streak:
+                    on_quiet()
+            else:
+                if self._quiet_in_a_row >= self._quiet_streak and self._on_busy is not None:
+                    self._on_busy()
+                self._quiet_in_a_row = 0
         if solo is not None and solo.policy.admit(quiet) and solo.eligible(item) and expires > now:
             return self._run_solo(solo, entry)
         with self._cond:

@@ -87,12 +87,15 @@ class ServedModel:
         *,
         solo_macs: int = 0,
         on_quiet: Callable[[], None] | None = None,
+        on_busy: Callable[[], None] | None = None,
     ) -> None:
         self._tracing = tracing
         self._solo_macs = solo_macs
         # Told of each request admitted once QUIET_STREAK in a row have found the model quiet (idle_spin.py):
         # only a quiet server's spinners spin, since under load they cost more than the wake-ups they spare.
+        # `on_busy`: told of the first request after such a streak that finds company (cpu_layout.py).
         self._on_quiet = on_quiet
+        self._on_busy = on_busy
         self.settings = settings
         # Devices are resolved now: the dtype may depend on them, and a GPU asked for and missing
         # stops the server before anything starts.
@@ -137,7 +140,7 @@ class ServedModel:
         self._batcher.start()
         self._allow_solo(self._batcher)
         if self._on_quiet is not None:
-            self._batcher.watch_quiet(self._on_quiet, QUIET_STREAK)
+            self._batcher.watch_quiet(self._on_quiet, QUIET_STREAK, self._on_busy)
         # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
         # is free: a CUDA worker takes its next batch while its last one computes.
         for w in self._workers:
@@ -230,6 +233,14 @@ class ServedModel:
             memory=request.memory_bytes,
             work=compute_macs(self.spec, request.sequences, request.query_len, request.key_len),
         )
+
+    def cpu_team(self) -> tuple[int, str, int] | None:
+        """With one CPU worker of one lane (once loaded): its thread's native id, the name its OpenMP
+        threads share with it, and how many threads a batch computes on at most; else None."""
+        workers = self._workers
+        if len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1 or not workers[0].thread_ids:
+            return None
+        return workers[0].thread_ids[0], workers[0].os_thread_name, workers[0].team_size
 
     def pinned_bytes(self) -> dict[str, int]:
         """Page-locked host memory per device worker (CUDA staging and output buffers)."""

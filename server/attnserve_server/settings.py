@@ -107,6 +107,9 @@ class ServerSettings:
     solo_macs: int = SOLO_MACS
     # For this long after each request, idle-priority spinners keep the CPUs from halting (idle_spin.py); 0: off.
     idle_spin_ms: float = WINDOW_MS
+    # While a one-model CPU server is quiet, the loop, gRPC and the worker share a CPU, its OpenMP partners
+    # have their own (cpu_layout.py); false: the kernel places every thread.
+    quiet_layout: bool = True
     log_level: str = "INFO"
     # TLS on the gRPC port: both files, or neither (plaintext); a client CA requires client certificates.
     tls_cert: str | None = None
@@ -188,6 +191,14 @@ OPTIONS: tuple[Option, ...] = (
         "for this long after each request, a spinner per CPU at idle priority keeps the CPUs from halting, so"
         " that waking a thread costs no vCPU wake-up; off by itself under a CPU quota below the CPUs; 0 turns"
         f" it off (default {WINDOW_MS:g})",
+    ),
+    Option(
+        "quiet-layout",
+        "server",
+        bool,
+        "while a server with one model on one CPU worker is quiet, the event loop, gRPC's threads and the worker"
+        " share one CPU and the worker's OpenMP partners have CPUs of their own; under load every thread is free;"
+        " true or false (default true)",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),

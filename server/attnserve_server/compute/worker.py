@@ -118,6 +118,9 @@ class DeviceWorker:
         self.lanes = CUDA_LANES if self._cuda else 1
         self._lanes = [_Lane(device, self.dtype) for _ in range(self.lanes)]
         self._free_lanes = list(self._lanes)
+        # What the OS calls the lanes' threads, and their OpenMP threads, which inherit the name.
+        self.os_thread_name = f"attn-{self.name}"[:15]  # attn-cpu, attn-cuda:0
+        self.thread_ids: list[int] = []  # the lanes' threads' native ids, as each starts
         self._local = threading.local()
         if self._cuda:
             itemsize = spec.dtype.itemsize
@@ -147,7 +150,8 @@ class DeviceWorker:
     def _start_thread(self) -> None:
         """Each executor thread takes a lane of its own for good, and computes without autograd."""
         self._local.lane = self._free_lanes.pop()
-        name_os_thread(f"attn-{self.name}")  # attn-cpu, attn-cuda:0; its OpenMP threads too
+        name_os_thread(self.os_thread_name)  # its OpenMP threads too
+        self.thread_ids.append(threading.get_native_id())
         torch.set_grad_enabled(False)  # thread-local: see `run`
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
@@ -165,6 +169,11 @@ class DeviceWorker:
             torch.set_num_threads(wanted)
             local.current = wanted
         return wanted, chooser if measured else None
+
+    @property
+    def team_size(self) -> int:
+        """Threads a CPU batch computes on at most: the lane's thread and its OpenMP partners."""
+        return self._most_threads
 
     def one_thread_alone(self, macs: int) -> bool:
         """Whether a lone request of `macs` multiply-adds runs on one intra-op thread by size alone (on the
