@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import os
 import threading
 from pathlib import Path
@@ -211,7 +210,10 @@ needs_two_cpus = pytest.mark.skipif(
 @needs_two_cpus
 def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
     # W1's size runs on both intra-op threads (every thread, whatever they measure), so the team starts.
-    config = settings(model(embed_dim=256, num_heads=8), torch_threads=2, min_parallel_speedup=0, solo_macs=0)
+    # One process: with edge processes the loop and gRPC live apart from the worker, and it is off.
+    config = settings(
+        model(embed_dim=256, num_heads=8), torch_threads=2, min_parallel_speedup=0, solo_macs=0, edge_processes=1
+    )
     allowed = os.sched_getaffinity(0)
     x = np.random.default_rng(0).random((64, 256), dtype=np.float32)
     with running(config) as r:
@@ -255,9 +257,10 @@ async def _loop_thread_id() -> int:
     return threading.get_native_id()
 
 
-def test_off_by_setting_and_for_several_models(caplog) -> None:
-    caplog.set_level(logging.INFO)
-    with running(settings(quiet_layout=False)) as r:
+def test_off_by_setting_for_several_models_and_with_edge_processes() -> None:
+    with running(settings(quiet_layout=False, edge_processes=1)) as r:
         assert r.server.layout is None
-    with running(settings(model("a"), model("b"))) as r:
+    with running(settings(model("a"), model("b"), edge_processes=1)) as r:
+        assert r.server.layout is None
+    with running(settings(edge_processes=2)) as r:
         assert r.server.layout is None
