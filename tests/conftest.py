@@ -15,12 +15,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve_server import AttnServer
 from attnserve_server.compute.staging import host_tensor
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import Answer, AttentionRequest
+from attnserve_server.metrics import Metrics
+from attnserve_server.model import ServedModel
 from attnserve_server.runtime.eventloop import loop_factory
 from attnserve_server.settings import BatchingSettings, ModelSettings, ServerSettings
 
@@ -113,6 +116,13 @@ if TEST_EDGES > 1:  # and every `attnserve serve` a test starts
 TEST_LOOP = os.environ.get("ATTNSERVE_TEST_LOOP", "auto")
 if TEST_LOOP != "auto":
     os.environ.setdefault("ATTNSERVE_EVENT_LOOP", TEST_LOOP)
+
+
+def small_cpu_model(**kwargs: Any) -> ServedModel:
+    """A served model (E=16, 2 heads) on the CPU, outside any server: `await load()`, then `close()`."""
+    model_settings = ModelSettings(embed_dim=16, num_heads=2, device=("cpu",))
+    metrics = Metrics(CollectorRegistry()).for_model(model_settings.name)
+    return ServedModel(model_settings, metrics, DeviceWorker, **kwargs)
 
 
 def settings(*models: ModelSettings, **fields: Any) -> ServerSettings:

@@ -11,17 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from attnserve import Client
-from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.metrics import Metrics
-from attnserve_server.model import ServedModel
 from attnserve_server.runtime.cpu_layout import RESCAN_S, QuietLayout, supported, why_off
 from attnserve_server.runtime.idle_spin import QUIET_STREAK
-from attnserve_server.settings import ModelSettings
 
-from conftest import model, request, running, settings
+from conftest import model, request, running, settings, small_cpu_model
 
 LOOP, WORKER, PARTNER, TIMER, ENGINE, POLLER, OTHER, ELSEWHERE = 10, 11, 12, 13, 14, 15, 16, 17
 
@@ -159,15 +154,8 @@ def test_off_where_it_cannot_help_or_libgomp_binds() -> None:
 
 
 def test_only_a_request_that_finds_company_after_a_quiet_streak_is_busy() -> None:
-    settings_ = ModelSettings(embed_dim=16, num_heads=2, device=("cpu",))
     events: list[str] = []
-    served = ServedModel(
-        settings_,
-        Metrics(CollectorRegistry()).for_model(settings_.name),
-        DeviceWorker,
-        on_quiet=lambda: events.append("quiet"),
-        on_busy=lambda: events.append("busy"),
-    )
+    served = small_cpu_model(on_quiet=lambda: events.append("quiet"), on_busy=lambda: events.append("busy"))
     q = np.ones((1, 3, 16), np.float32)
 
     async def main() -> None:

@@ -12,16 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from attnserve import Client
-from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.metrics import Metrics
-from attnserve_server.model import ServedModel
 from attnserve_server.runtime.idle_spin import MAX_SPINNERS, QUIET_STREAK, IdleSpin, cpu_quota, spin_cpus, supported
-from attnserve_server.settings import ModelSettings
 
-from conftest import model, request, running, settings
+from conftest import model, request, running, settings, small_cpu_model
 
 needs_linux = pytest.mark.skipif(not supported(), reason="needs Linux's SCHED_IDLE and memfd_create")
 WAIT_S = 20.0
@@ -210,14 +205,8 @@ def test_idle_spin_ms_zero_starts_no_spinners() -> None:
 
 
 def test_only_requests_after_a_quiet_streak_make_the_spinners_spin() -> None:
-    settings_ = ModelSettings(embed_dim=16, num_heads=2, device=("cpu",))
     touches: list[int] = []
-    served = ServedModel(
-        settings_,
-        Metrics(CollectorRegistry()).for_model(settings_.name),
-        DeviceWorker,
-        on_quiet=lambda: touches.append(1),
-    )
+    served = small_cpu_model(on_quiet=lambda: touches.append(1))
     q = np.ones((1, 3, 16), np.float32)
 
     async def main() -> None:
