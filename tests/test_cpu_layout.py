@@ -219,6 +219,8 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
             partners = [t for t in _named(layout.team_name) if t != layout.worker_tid]
             assert partners and all(_affinity(t) == {partner_cpu} for t in partners)
             assert _affinity(threading.get_native_id()) == allowed  # the test's own thread: not ours
+            assert r.sample("attnserve_quiet_layout") == 1
+            assert r.sample("attnserve_quiet_layout_pinned_total") == 1
 
             with Client(r.target) as other:
                 # Bursts from two threads at once, until a request finds another queued or computing.
@@ -233,9 +235,11 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
             assert not layout.applied
             assert _affinity(layout.worker_tid) == allowed and _affinity(loop_tid) == allowed
             assert all(_affinity(t) == allowed for t in partners)
+            assert r.sample("attnserve_quiet_layout") == 0
             for _ in range(QUIET_STREAK + 2):
                 client.attend(x)
             assert layout.applied
+            assert r.sample("attnserve_quiet_layout_pinned_total") == 2
             r.call(r.server.stop(2.0))  # stopping frees every thread
             assert not layout.applied and layout.off
             assert _affinity(loop_tid) == allowed

@@ -165,7 +165,7 @@ class AttnServer:
             if team is None:
                 log.info("quiet layout off: the model is not served by one CPU worker")
             else:
-                self.layout = QuietLayout.for_worker(*team)
+                self.layout = QuietLayout.for_worker(*team, on_change=self.metrics.quiet_layout_changed)
         if self.edges is not None:
             # The edges start once the models are ready: each learns of them as they will serve.
             await self.edges.start()

@@ -14,7 +14,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Gauge, Info, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -75,6 +75,22 @@ class Metrics:
             ["model"],
             registry=registry,
         )
+        # Set only when the quiet layout switches (runtime/cpu_layout.py), rarely: plain objects will do.
+        self._quiet_layout = Gauge(
+            "attnserve_quiet_layout",
+            "1 while the quiet CPU layout pins the server's threads (a quiet server), else 0.",
+            registry=registry,
+        )
+        self._quiet_layout_pinned = Counter(
+            "attnserve_quiet_layout_pinned",
+            "Times the quiet CPU layout pinned the server's threads (it frees them under load).",
+            registry=registry,
+        )
+
+    def quiet_layout_changed(self, pinned: bool) -> None:
+        self._quiet_layout.set(1 if pinned else 0)
+        if pinned:
+            self._quiet_layout_pinned.inc()
 
     def for_model(self, model: str) -> ModelMetrics:
         return self._add(ModelMetrics(self, model))

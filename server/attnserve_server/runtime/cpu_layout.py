@@ -102,6 +102,7 @@ class QuietLayout:
         set_affinity: Callable[[int, set[int]], None] = os.sched_setaffinity,
         get_affinity: Callable[[int], set[int]] = os.sched_getaffinity,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.home = cpus[0]
         self.partner_cpus = list(cpus[1:])
@@ -116,10 +117,16 @@ class QuietLayout:
         self._retry_at = 0.0
         self._tasks, self._comm, self._pollers = tasks, comm, pollers
         self._set, self._get, self._clock = set_affinity, get_affinity, clock
+        self._on_change = on_change  # told True when pinned, False when freed
 
     @classmethod
     def for_worker(
-        cls, worker_tid: int, team_name: str, team_size: int, environ: dict[str, str] | None = None
+        cls,
+        worker_tid: int,
+        team_name: str,
+        team_size: int,
+        environ: dict[str, str] | None = None,
+        on_change: Callable[[bool], None] | None = None,
     ) -> QuietLayout | None:
         """The layout for a worker thread `worker_tid` whose OpenMP team has `team_size` threads, all
         named `team_name`; None (logged why) where it cannot apply. Call it on the event loop."""
@@ -135,7 +142,7 @@ class QuietLayout:
             cpus[0],
             ",".join(map(str, cpus[1:])),
         )
-        return cls(cpus, allowed, worker_tid, team_name)
+        return cls(cpus, allowed, worker_tid, team_name, on_change=on_change)
 
     def quiet(self) -> None:
         """Pins the team apart and the request path beside the worker (once the team has started)."""
@@ -168,6 +175,8 @@ class QuietLayout:
         self.applied = True
         self.switches += 1
         log.debug("quiet layout applied (%d times)", self.switches)
+        if self._on_change is not None:
+            self._on_change(True)
 
     def busy(self) -> None:
         """Gives every thread the layout pinned, and any that started from one, the CPUs allowed."""
@@ -176,6 +185,8 @@ class QuietLayout:
         self.applied = False
         self._free()
         log.debug("quiet layout freed")
+        if self._on_change is not None:
+            self._on_change(False)
 
     def close(self) -> None:
         self.busy()
