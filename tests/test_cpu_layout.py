@@ -221,6 +221,14 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
             assert _affinity(threading.get_native_id()) == allowed  # the test's own thread: not ours
             assert r.sample("attnserve_quiet_layout") == 1
             assert r.sample("attnserve_quiet_layout_pinned_total") == 1
+            spin = r.server.idle_spin
+            if spin is not None:  # beside the layout the idle spinners rest: nothing wakes them
+                touches: list[int] = []
+                touch = spin.touch
+                spin.touch = lambda: (touches.append(1), touch())  # type: ignore[method-assign]
+                for _ in range(QUIET_STREAK + 2):
+                    client.attend(x)
+                assert touches == []
 
             with Client(r.target) as other:
                 # Bursts from two threads at once, until a request finds another queued or computing.

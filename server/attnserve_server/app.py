@@ -84,11 +84,16 @@ class AttnServer:
         self.failed = asyncio.Event()
 
     def _on_quiet(self) -> None:
-        """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop)."""
+        """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop). While the
+        quiet layout is in place the spinners rest: beside it they cost the lone request more than the
+        wake-ups they spare (W1 at c=1 in pairs: req/s 1.014 and 1.058, p99 -13%; BENCHMARKS.md, twenty-fifth pass)."""
+        layout = self.layout
+        if layout is not None:
+            layout.quiet()
+            if layout.applied:
+                return
         if self.idle_spin is not None:
             self.idle_spin.touch()
-        if self.layout is not None:
-            self.layout.quiet()
 
     def _on_busy(self) -> None:
         """The first request after such a streak that found company (on the loop)."""

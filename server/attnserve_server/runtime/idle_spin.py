@@ -13,7 +13,9 @@ kernel runs it only when that CPU has nothing else to do, and any thread that wa
 CPU at once, from a running vCPU rather than a halted one. An idle server's spinners sleep on a pipe,
 so they cost nothing; a loaded server never wakes them; a server at concurrency 1 spends its idle
 CPU on them. W1 at concurrency 1: p50 -18% (BENCHMARKS.md, thirteenth
-pass). The spinners are processes, not threads, so they share no GIL with the server.
+pass). The spinners are processes, not threads, so they share no GIL with the server. While the
+quiet layout holds (cpu_layout.py) they rest: the serial path and the spinning OpenMP partner then
+leave no CPU idle for them, and they only got in the way (app.py).
 
 The CPU they use is idle time, but it is counted: to the container's CPU usage, and under a CPU
 quota (a Kubernetes CPU limit, cgroup cpu.max) against the quota, where it would throttle the
