@@ -244,10 +244,11 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
             assert _affinity(layout.worker_tid) == allowed and _affinity(loop_tid) == allowed
             assert all(_affinity(t) == allowed for t in partners)
             assert r.sample("attnserve_quiet_layout") == 0
+            pinned = r.sample("attnserve_quiet_layout_pinned_total")  # a burst may pin and free again
             for _ in range(QUIET_STREAK + 2):
                 client.attend(x)
             assert layout.applied
-            assert r.sample("attnserve_quiet_layout_pinned_total") == 2
+            assert r.sample("attnserve_quiet_layout_pinned_total") == pinned + 1
             r.call(r.server.stop(2.0))  # stopping frees every thread
             assert not layout.applied and layout.off
             assert _affinity(loop_tid) == allowed
