@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from attnserve import Client
-from attnserve_server.runtime.cpu_layout import RESCAN_S, QuietLayout, supported, why_off
+from attnserve_server.runtime.cpu_layout import QuietLayout, supported, why_off
 from attnserve_server.runtime.idle_spin import QUIET_STREAK
 
 from conftest import model, request, running, settings, small_cpu_model
 
-LOOP, WORKER, PARTNER, TIMER, ENGINE, POLLER, OTHER, ELSEWHERE = 10, 11, 12, 13, 14, 15, 16, 17
+LOOP, WORKER, PARTNER, TIMER, ENGINE, POLLER, OTHER, ELSEWHERE, STRANGER = 10, 11, 12, 13, 14, 15, 16, 17, 18
 
 
 class FakeThreads:
@@ -35,11 +35,12 @@ class FakeThreads:
             POLLER: "attnserve",
             OTHER: "attnserve",  # e.g. the metrics endpoint's thread
             ELSEWHERE: "someone-else",  # pinned by someone else to one CPU
+            STRANGER: "attn-cpu",  # another server's worker in the same process (tests)
         }
         self.affinity = {tid: set(cpus) for tid in self.names}
         self.affinity[ELSEWHERE] = {max(cpus)}
-        self.now = 0.0
         self.fail: OSError | None = None
+        self.team = [PARTNER]  # the worker's OpenMP threads, as the worker reports them
 
     def set(self, tid: int, cpus: set[int]) -> None:
         if self.fail is not None:
@@ -53,14 +54,13 @@ class FakeThreads:
             cpus,
             self.allowed,
             WORKER,
-            "attn-cpu",
+            lambda: list(self.team),
             loop_tid=LOOP,
             tasks=lambda: list(self.names),
             comm=lambda tid: self.names.get(tid, ""),
             pollers=lambda: [POLLER, 999],  # 999: a poller of another process's listing, ignored
             set_affinity=self.set,
             get_affinity=lambda tid: set(self.affinity[tid]),
-            clock=lambda: self.now,
         )
 
 
@@ -73,6 +73,7 @@ def test_quiet_pins_the_partner_apart_and_the_request_path_beside_the_worker() -
         assert t.affinity[tid] == {0}, t.names[tid]
     assert t.affinity[PARTNER] == {1}
     assert t.affinity[OTHER] == {0, 1}  # not on a lone request's path: left alone
+    assert t.affinity[STRANGER] == {0, 1}  # named like the worker, but not its partner
     assert t.affinity[ELSEWHERE] == {1}
     layout.quiet()  # already in place: nothing to do
     assert layout.switches == 1
@@ -87,7 +88,7 @@ def test_busy_frees_what_it_pinned_and_threads_started_from_them() -> None:
     t.affinity[20] = {2}
     layout.busy()
     assert not layout.applied
-    for tid in (LOOP, WORKER, PARTNER, TIMER, ENGINE, POLLER, OTHER, 20):
+    for tid in (LOOP, WORKER, PARTNER, TIMER, ENGINE, POLLER, OTHER, STRANGER, 20):
         assert t.affinity[tid] == {0, 1, 2, 3}, t.names[tid]
     assert t.affinity[ELSEWHERE] == {3}  # never one of ours
     layout.busy()  # already free: nothing to do
@@ -95,25 +96,32 @@ def test_busy_frees_what_it_pinned_and_threads_started_from_them() -> None:
     assert layout.applied and layout.switches == 2
 
 
-def test_a_team_not_started_yet_is_looked_for_again_a_while_later() -> None:
+def test_nothing_is_pinned_until_the_team_has_started() -> None:
     t = FakeThreads({0, 1})
-    del t.names[PARTNER]  # every batch so far ran on one thread: no OpenMP pool yet
+    t.team = []  # every batch so far ran on one thread: no OpenMP pool yet
     layout = t.layout([0, 1])
     layout.quiet()
     assert not layout.applied and t.affinity[LOOP] == {0, 1}
-    t.names[PARTNER] = "attn-cpu"
-    t.affinity[PARTNER] = {0, 1}
-    layout.quiet()
-    assert not layout.applied  # not looked for again yet
-    t.now += RESCAN_S
+    t.team = [PARTNER]
     layout.quiet()
     assert layout.applied and t.affinity[PARTNER] == {1}
 
 
+def test_a_partner_that_has_ended_is_skipped_and_a_stopped_worker_pins_nothing() -> None:
+    t = FakeThreads({0, 1})
+    del t.names[PARTNER]
+    layout = t.layout([0, 1])
+    layout.quiet()
+    assert layout.applied and t.affinity[WORKER] == {0}
+    layout.busy()
+    del t.names[WORKER]
+    layout.quiet()
+    assert not layout.applied and t.affinity[LOOP] == {0, 1}
+
+
 def test_a_team_larger_than_its_cpus_turns_the_layout_off(caplog) -> None:
     t = FakeThreads({0, 1})
-    t.names[30] = "attn-cpu"
-    t.affinity[30] = {0, 1}
+    t.team = [PARTNER, 30]
     layout = t.layout([0, 1])
     layout.quiet()
     assert layout.off and not layout.applied
@@ -150,7 +158,7 @@ def test_off_where_it_cannot_help_or_libgomp_binds() -> None:
     assert why_off(1, {0, 1}, {}) == "the worker computes on one intra-op thread"
     assert why_off(4, {0, 1}, {}) == "2 CPU(s) for a team of 4 intra-op threads"
     assert why_off(2, {0, 1}, {"OMP_PROC_BIND": "spread"}) == "OpenMP binds its threads itself (OMP_PROC_BIND set)"
-    assert QuietLayout.for_worker(1, "attn-cpu", 2, {"GOMP_CPU_AFFINITY": "0-1"}) is None
+    assert QuietLayout.for_worker(1, lambda: [2], 2, {"GOMP_CPU_AFFINITY": "0-1"}) is None
 
 
 def test_only_a_request_that_finds_company_after_a_quiet_streak_is_busy() -> None:
@@ -196,7 +204,8 @@ needs_two_cpus = pytest.mark.skipif(
 
 
 @needs_two_cpus
-def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
+def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them(default_server) -> None:
+    # `default_server`: another server in this process, whose workers bear the same thread name.
     # W1's size runs on both intra-op threads (every thread, whatever they measure), so the team starts.
     # One process: with edge processes the loop and gRPC live apart from the worker, and it is off.
     config = settings(
@@ -216,8 +225,10 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them() -> None:
             assert _affinity(layout.worker_tid) == {home}
             assert _affinity(loop_tid) == {home}
             assert all(_affinity(t) == {home} for t in _named("grpc_global_tim"))
-            partners = [t for t in _named(layout.team_name) if t != layout.worker_tid]
+            partners = list(layout.partners)
             assert partners and all(_affinity(t) == {partner_cpu} for t in partners)
+            strangers = set(_named("attn-cpu")) - {layout.worker_tid, *partners}
+            assert strangers and all(_affinity(t) == allowed for t in strangers)
             assert _affinity(threading.get_native_id()) == allowed  # the test's own thread: not ours
             assert r.sample("attnserve_quiet_layout") == 1
             assert r.sample("attnserve_quiet_layout_pinned_total") == 1

@@ -234,13 +234,15 @@ class ServedModel:
             work=compute_macs(self.spec, request.sequences, request.query_len, request.key_len),
         )
 
-    def cpu_team(self) -> tuple[int, str, int] | None:
-        """With one CPU worker of one lane (once loaded): its thread's native id, the name its OpenMP
-        threads share with it, and how many threads a batch computes on at most; else None."""
+    def cpu_team(self) -> tuple[int, Callable[[], list[int]], int] | None:
+        """With one CPU worker of one lane (once loaded): its thread's native id, a function that gives
+        its OpenMP threads' (none until a batch has run on several threads), and how many threads a
+        batch computes on at most; else None."""
         workers = self._workers
         if len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1 or not workers[0].thread_ids:
             return None
-        return workers[0].thread_ids[0], workers[0].os_thread_name, workers[0].team_size
+        worker = workers[0]
+        return worker.thread_ids[0], lambda: worker.partner_ids, worker.team_size
 
     def pinned_bytes(self) -> dict[str, int]:
         """Page-locked host memory per device worker (CUDA staging and output buffers)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,23 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def named_threads(name: str) -> set[int]:
+    """This process's threads that the OS knows by `name` (empty where there is no /proc)."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "rb") as comm:
+                if comm.read().rstrip(b"\n") == name.encode()[:15]:
+                    found.add(int(tid))
+        except OSError:  # ended since the listing
+            continue
+    return found
+
+
 class _Lane:
     """What one in-flight batch needs on the worker: its stream, its staging slab and its output slabs."""
 
@@ -121,6 +139,12 @@ class DeviceWorker:
         # What the OS calls the lanes' threads, and their OpenMP threads, which inherit the name.
         self.os_thread_name = f"attn-{self.name}"[:15]  # attn-cpu, attn-cuda:0
         self.thread_ids: list[int] = []  # the lanes' threads' native ids, as each starts
+        # On the CPU, the OpenMP threads of the lane's thread (its partners), once a batch has run on
+        # several threads: those of its name that appeared since it started (runtime/cpu_layout.py
+        # pins them apart while the server is quiet). Empty while every batch has run on one.
+        self.partner_ids: list[int] = []
+        self._named_at_start: set[int] = set()
+        self._team_looks = 16  # batches on several threads that may still look for them (~100 µs each)
         self._local = threading.local()
         if self._cuda:
             itemsize = spec.dtype.itemsize
@@ -152,6 +176,9 @@ class DeviceWorker:
         self._local.lane = self._free_lanes.pop()
         name_os_thread(self.os_thread_name)  # its OpenMP threads too
         self.thread_ids.append(threading.get_native_id())
+        self._local.lane_thread = True
+        if not self._cuda:
+            self._named_at_start = named_threads(self.os_thread_name)  # its OpenMP pool not yet started
         torch.set_grad_enabled(False)  # thread-local: see `run`
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
@@ -164,6 +191,10 @@ class DeviceWorker:
             local.chooser = self._threads.chooser(self._most_threads)
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
         chooser: ThreadChooser = local.chooser
+        if local.current and local.current > 1 and self._team_looks and getattr(local, "lane_thread", False):
+            # The last batch ran on several threads, so the pool has likely started: which threads are its.
+            self.partner_ids = sorted(named_threads(self.os_thread_name) - self._named_at_start)
+            self._team_looks = 0 if self.partner_ids else self._team_looks - 1
         wanted, measured = chooser.pick(macs, requests)
         if wanted != local.current:
             torch.set_num_threads(wanted)

@@ -17,8 +17,12 @@ home CPU at once, and the partner's CPU stays free for the partner. The first re
 company calls `busy()`, which gives every thread the CPUs it had: under load the loop needs a CPU of
 its own (this layout cost 9% at concurrency 32 when libgomp's binding kept it under load).
 
-The layout is off (and says why, once) where it cannot help or could harm: one intra-op thread (no
-team to part), fewer CPUs than the team's threads, libgomp binding its threads itself
+The worker names its partners once a batch has run on several threads: the threads of its name that
+appeared since it started (compute/worker.py), so a second server in the same process (tests) is not
+taken for them. Until then (a model whose requests all run on one thread) nothing is pinned and idle
+spin goes on as before. The layout is off (and says why, once) where it cannot help or could harm:
+one intra-op thread (no team to part), fewer CPUs than the team's threads, libgomp binding its
+threads itself
 (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY), or no `sched_setaffinity` (not Linux). Only CPUs the
 process may use are named, so a cpuset (a Kubernetes CPU manager's exclusive CPUs) is respected, and
 if the CPUs allowed change under it, a failed pin turns the layout off for good with every thread
@@ -31,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
@@ -42,9 +45,6 @@ GRPC_THREAD_NAMES = ("grpc_global_tim", "event_engine", "lifeguard")
 GRPC_POLLER = "(_poll_wrapper)"
 # libgomp's own binding: with any of these set, the team's places are its business.
 BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
-# A worker whose OpenMP team has not started yet (its batches so far ran on one thread) is looked
-# for again at most this often.
-RESCAN_S = 1.0
 
 
 def supported() -> bool:
@@ -68,7 +68,8 @@ def _poller_ids() -> list[int]:
 
 
 def why_off(team_size: int, allowed: set[int], environ: dict[str, str] | os._Environ[str]) -> str:
-    """Why the layout cannot apply here, or "" where it can."""
+    """Why the layout cannot apply here, or "" where it can: a team of `team_size` threads at most on
+    the CPUs `allowed`."""
     if not supported():
         return "this platform has no sched_setaffinity"
     binding = [v for v in BINDING_VARIABLES if environ.get(v)]
@@ -85,7 +86,9 @@ class QuietLayout:
     """Pins the request path's threads while the server is quiet (`quiet()`), frees them under load
     (`busy()`). Both run on the event loop's thread; each does nothing when already in its state.
 
-    `cpus`: the home CPU first, then a CPU per OpenMP partner. `allowed`: what a freed thread gets.
+    `cpus`: the home CPU first, then one per partner. `partners()`: the worker's OpenMP threads, none
+    until its pool has started. `allowed`: what a freed thread gets. `on_change(pinned)` is told of
+    each switch.
     """
 
     def __init__(
@@ -93,7 +96,7 @@ class QuietLayout:
         cpus: list[int],
         allowed: set[int],
         worker_tid: int,
-        team_name: str,
+        partners: Callable[[], list[int]],
         *,
         loop_tid: int | None = None,
         tasks: Callable[[], Iterable[int]] = _tasks,
@@ -101,35 +104,35 @@ class QuietLayout:
         pollers: Callable[[], Iterable[int]] = _poller_ids,
         set_affinity: Callable[[int, set[int]], None] = os.sched_setaffinity,
         get_affinity: Callable[[int], set[int]] = os.sched_getaffinity,
-        clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.home = cpus[0]
         self.partner_cpus = list(cpus[1:])
+        self.partners: dict[int, int] = {}  # the worker's OpenMP threads -> their CPUs, once known
+        self._find_partners = partners
         self.allowed = set(allowed)
         self.worker_tid = worker_tid
-        self.team_name = team_name
         self.loop_tid = threading.get_native_id() if loop_tid is None else loop_tid
         self.applied = False
         self.off = False
         self.switches = 0  # times applied
         self._pinned: set[int] = set()
-        self._retry_at = 0.0
         self._tasks, self._comm, self._pollers = tasks, comm, pollers
-        self._set, self._get, self._clock = set_affinity, get_affinity, clock
-        self._on_change = on_change  # told True when pinned, False when freed
+        self._set, self._get = set_affinity, get_affinity
+        self._on_change = on_change
 
     @classmethod
     def for_worker(
         cls,
         worker_tid: int,
-        team_name: str,
+        partners: Callable[[], list[int]],
         team_size: int,
         environ: dict[str, str] | None = None,
         on_change: Callable[[bool], None] | None = None,
     ) -> QuietLayout | None:
-        """The layout for a worker thread `worker_tid` whose OpenMP team has `team_size` threads, all
-        named `team_name`; None (logged why) where it cannot apply. Call it on the event loop."""
+        """The layout for a worker thread `worker_tid`, whose OpenMP threads `partners()` gives (once
+        started) and whose batches compute on `team_size` threads at most; None (logged why) where it
+        cannot apply. Call it on the event loop."""
         allowed = os.sched_getaffinity(0) if supported() else set()
         why = why_off(team_size, allowed, os.environ if environ is None else environ)
         if why:
@@ -142,31 +145,32 @@ class QuietLayout:
             cpus[0],
             ",".join(map(str, cpus[1:])),
         )
-        return cls(cpus, allowed, worker_tid, team_name, on_change=on_change)
+        return cls(cpus, allowed, worker_tid, partners, on_change=on_change)
 
     def quiet(self) -> None:
-        """Pins the team apart and the request path beside the worker (once the team has started)."""
+        """Pins the team apart and the request path beside the worker, once the team has started."""
         if self.applied or self.off:
             return
-        now = self._clock()
-        if now < self._retry_at:
-            return
+        if not self.partners:
+            found = self._find_partners()
+            if not found:  # every batch so far ran on one thread: nothing to part
+                return
+            if len(found) > len(self.partner_cpus):
+                self._turn_off(f"{len(found) + 1} threads in the worker's team, CPUs for {len(self.partner_cpus) + 1}")
+                return
+            self.partners = dict(zip(found, self.partner_cpus, strict=False))
         tids = list(self._tasks())
-        names = {tid: self._comm(tid) for tid in tids}
-        partners = sorted(t for t in tids if t != self.worker_tid and names[t] == self.team_name)
-        if not partners or self.worker_tid not in names:
-            self._retry_at = now + RESCAN_S  # no team yet (or the worker is gone): later
-            return
-        if len(partners) > len(self.partner_cpus):
-            self._turn_off(f"{len(partners) + 1} threads in the worker's team, CPUs for {len(self.partner_cpus) + 1}")
+        present = set(tids)
+        if self.worker_tid not in present:  # the worker has stopped: nothing to lay out
             return
         serial = {self.worker_tid, self.loop_tid}
-        serial.update(t for t, name in names.items() if name.startswith(GRPC_THREAD_NAMES))
-        serial.update(t for t in self._pollers() if t in names)
-        serial.difference_update(partners)
+        serial.update(t for t in tids if self._comm(t).startswith(GRPC_THREAD_NAMES))
+        serial.update(t for t in self._pollers() if t in present)
+        serial.difference_update(self.partners)
         try:
-            for tid, cpu in zip(partners, self.partner_cpus, strict=False):  # partners <= CPUs
-                self._pin(tid, {cpu})
+            for tid, cpu in self.partners.items():
+                if tid in present:
+                    self._pin(tid, {cpu})
             for tid in sorted(serial):
                 self._pin(tid, {self.home})
         except OSError as exc:
