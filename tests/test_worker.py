@@ -522,6 +522,7 @@ def test_the_command_line_and_the_runtime_settings_load_before_torch() -> None:
         "runtime.eventloop",
         "runtime.idle_spin",
         "runtime.cpu_layout",
+        "runtime.os_threads",
     ]
     imports = "".join(f"import attnserve_server.{m}\n" for m in modules)
     code = f"import sys\n{imports}print('torch' in sys.modules)"

@@ -176,16 +176,16 @@ class ServedModel:
         concurrency 1 therefore runs on the worker's two threads: p50 -20% in pairs against the earlier
         solo runs on one thread under a short spin. Solo runs beside the long spin gained nothing: their
         pool throttled it (1.50x the inline peer's p50 in pairs, 1.20x on the worker)."""
-        workers = self._workers
-        if self._solo_macs <= 0 or len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
+        worker = self._single_cpu_worker()
+        if self._solo_macs <= 0 or worker is None:
             return
-        spec, most_macs, worker = self.spec, self._solo_macs, workers[0]
+        spec, most_macs = self.spec, self._solo_macs
 
         def eligible(r: AttentionRequest) -> bool:
             macs = compute_macs(spec, r.sequences, r.query_len, r.key_len)
             return macs <= most_macs and worker.one_thread_alone(macs)
 
-        report = self._reporter(workers[0])
+        report = self._reporter(worker)
 
         def done(batch: list[AttentionRequest], answers: list[Answer] | None, error: BaseException | None) -> None:
             self.metrics.solo_ran()
@@ -194,7 +194,7 @@ class ServedModel:
         # The loop's thread computes solo runs, and nothing on it needs autograd: off for good there
         # (thread-local), so that each run need not turn it off and on again (compute/worker.py).
         torch.set_grad_enabled(False)
-        batcher.allow_solo(workers[0].run, done, eligible)
+        batcher.allow_solo(worker.run, done, eligible)
 
     def _reporter(self, worker: DeviceWorker) -> BatchDone:
         """Metrics and traces for each batch the worker finishes (called on the event loop)."""
@@ -238,11 +238,18 @@ class ServedModel:
         """With one CPU worker of one lane (once loaded): its thread's native id, a function that gives
         its OpenMP threads' (none until a batch has run on several threads), and how many threads a
         batch computes on at most; else None."""
-        workers = self._workers
-        if len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1 or not workers[0].thread_ids:
+        worker = self._single_cpu_worker()
+        if worker is None or not worker.thread_ids:
             return None
-        worker = workers[0]
         return worker.thread_ids[0], lambda: worker.partner_ids, worker.team_size
+
+    def _single_cpu_worker(self) -> DeviceWorker | None:
+        """The model's worker where it has one, on the CPU, of one lane: the case where solo runs and
+        the quiet layout apply; else None."""
+        workers = self._workers
+        if len(workers) != 1 or workers[0].device.type != "cpu" or workers[0].lanes != 1:
+            return None
+        return workers[0]
 
     def pinned_bytes(self) -> dict[str, int]:
         """Page-locked host memory per device worker (CUDA staging and output buffers)."""

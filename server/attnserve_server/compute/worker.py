@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from attnserve_server.domain import (
     ModelSpec,
     compute_macs,
 )
+from attnserve_server.runtime.os_threads import name_os_thread, named_threads
 
 
 def _padded(requests: list[AttentionRequest]) -> tuple[int, int, int]:
@@ -70,34 +70,6 @@ CUDA_LANES = 2
 # Pinned buffers are sized at start-up for a batch of max_batch_tokens tokens, up to this much each;
 # a larger batch grows them (attnserve_pinned_host_bytes shows what they hold).
 PINNED_PRESIZE_CAP = 256 << 20
-
-
-def name_os_thread(name: str) -> None:
-    """Names the calling thread for the OS (Linux keeps 15 bytes), as `top -H`, `ps -L` and
-    /proc/PID/task/*/comm show it; threads it starts inherit the name, OpenMP's pool among them. Python
-    names its threads only for itself, so a thread it starts otherwise shows as the process, `attnserve`."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
-            comm.write(name.encode()[:15])
-    except OSError:  # not Linux, or no /proc: the name is only a convenience
-        pass
-
-
-def named_threads(name: str) -> set[int]:
-    """This process's threads that the OS knows by `name` (empty where there is no /proc)."""
-    found: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm", "rb") as comm:
-                if comm.read().rstrip(b"\n") == name.encode()[:15]:
-                    found.add(int(tid))
-        except OSError:  # ended since the listing
-            continue
-    return found
 
 
 class _Lane:

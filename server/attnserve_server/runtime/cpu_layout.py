@@ -22,8 +22,7 @@ appeared since it started (compute/worker.py), so a second server in the same pr
 taken for them. Until then (a model whose requests all run on one thread) nothing is pinned and idle
 spin goes on as before. The layout is off (and says why, once) where it cannot help or could harm:
 one intra-op thread (no team to part), fewer CPUs than the team's threads, libgomp binding its
-threads itself
-(OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY), or no `sched_setaffinity` (not Linux). Only CPUs the
+threads itself (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY), or no `sched_setaffinity` (not Linux). Only CPUs the
 process may use are named, so a cpuset (a Kubernetes CPU manager's exclusive CPUs) is respected, and
 if the CPUs allowed change under it, a failed pin turns the layout off for good with every thread
 freed. Only the server's own threads move: any other thread of the process stays where it is, unless
@@ -37,6 +36,8 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 
+from attnserve_server.runtime.os_threads import thread_ids, thread_name
+
 log = logging.getLogger(__name__)
 
 # gRPC C-core's own threads, as it names them for the OS (/proc/self/task/*/comm), by prefix.
@@ -49,18 +50,6 @@ BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 
 def supported() -> bool:
     return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")
-
-
-def _tasks() -> list[int]:
-    return [int(t) for t in os.listdir("/proc/self/task")]
-
-
-def _comm(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm", "rb") as f:
-            return f.read().decode(errors="replace").rstrip("\n")
-    except OSError:  # gone since the listing
-        return ""
 
 
 def _poller_ids() -> list[int]:
@@ -99,8 +88,8 @@ class QuietLayout:
         partners: Callable[[], list[int]],
         *,
         loop_tid: int | None = None,
-        tasks: Callable[[], Iterable[int]] = _tasks,
-        comm: Callable[[int], str] = _comm,
+        tasks: Callable[[], Iterable[int]] = thread_ids,
+        comm: Callable[[int], str] = thread_name,
         pollers: Callable[[], Iterable[int]] = _poller_ids,
         set_affinity: Callable[[int, set[int]], None] = os.sched_setaffinity,
         get_affinity: Callable[[int], set[int]] = os.sched_getaffinity,
