@@ -16,6 +16,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from attnserve_server.compute import attention
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack, split
@@ -248,10 +249,16 @@ def test_cross_attention_of_far_apart_key_lengths_runs_in_groups_and_answers_as_
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
-def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, weights: str) -> None:
+@pytest.mark.parametrize("path", ["fused kernel", "tiled"])
+def test_the_fused_and_tiled_paths_match_the_explicit_path(
+    causal: bool, padded: bool, weights: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "tiled":  # every CPU batch that returns no weights takes the tiled path
+        monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
-    fused, explicit = AttentionCompute(spec, params), AttentionCompute(spec, params, fused=False)
+    fused = AttentionCompute(spec, params, tiled=path == "tiled")
+    explicit = AttentionCompute(spec, params, fused=False)
     assert fused.fused and not explicit.fused
     x = torch.randn(3, 7, 16)
     padding = (torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]) if padded else None
@@ -265,6 +272,35 @@ def test_the_fused_kernel_matches_the_explicit_path(causal: bool, padded: bool, 
         torch.testing.assert_close(w1, w2, atol=1e-5, rtol=1e-5)
     else:
         assert w1 is None and w2 is None
+
+
+def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    native, batches = attention._NATIVE_MHA, []
+
+    def counted(*args: object) -> object:
+        batches.append(args[0].shape[0])  # type: ignore[attr-defined]
+        return native(*args)  # type: ignore[misc]
+
+    monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
+    spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
+    compute = AttentionCompute(spec, random_projections(spec, 0))
+    reference = AttentionCompute(spec, compute.params, tiled=False)
+    one_padded = torch.tensor([[False] * 60 + [True] * 4])
+    with torch.inference_mode():
+        for n in (1, 4, 8, 16):  # scores of 128 KiB to 2 MiB: the tiled path from 1 MiB
+            x = torch.randn(n, 64, 256)
+            torch.testing.assert_close(
+                compute(x, None, None, None, False, False, False)[0],
+                reference(x, None, None, None, False, False, False)[0],
+                atol=1e-5,
+                rtol=1e-5,
+            )
+        x = torch.randn(1, 64, 256)
+        compute(x, None, None, one_padded, False, False, False)  # masked: tiled at any size
+        compute(x, None, None, None, True, False, False)
+        compute(torch.randn(16, 64, 256), None, None, None, False, True, True)  # weights: fused
+    # the reference takes the fused kernel at every size; the model from 8 W1 sequences on does not
+    assert batches == [1, 1, 4, 4, 8, 16, 16]
 
 
 @pytest.mark.parametrize(

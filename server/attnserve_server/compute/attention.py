@@ -3,8 +3,10 @@
 Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
-holds it (measured in BENCHMARKS.md). Cross attention, the bare operation and odd head counts take
-the explicit path below, as torch's module does.
+holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only: larger
+or masked ones take the tiled path (`_tiled`: scaled_dot_product_attention between the two
+projections, four calls into torch), which never holds a whole batch's scores. Cross attention,
+the bare operation and odd head counts take the explicit path below, as torch's module does.
 """
 
 from __future__ import annotations
@@ -31,11 +33,21 @@ def visibility_mask(
 
 _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
+# On the CPU torch's fused kernel materialises every head's [L, S] scores for the whole batch and
+# rescales, soft-maxes and multiplies them in separate passes; scaled_dot_product_attention's CPU
+# kernel works through them in tiles. Measured in-process (BENCHMARKS.md, twenty-sixth pass, Intel
+# Xeon, AVX-512): W1 batches of 8-32 cost 0.72-0.90x as much per sequence on the tiled path, lone
+# W1 requests 1.03-1.15x, and any masked batch 0.64-0.88x. So an unmasked CPU batch takes the fused
+# kernel only while its scores stay under this many bytes (W1: 4 sequences, 512 KiB).
+FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
+
 
 class AttentionCompute:
     """Y = concat_h(softmax(Q K^T / sqrt(d)) V) W_O for one model on one device."""
 
-    def __init__(self, spec: ModelSpec, params: Projections | None, fused: bool = True) -> None:
+    def __init__(self, spec: ModelSpec, params: Projections | None, fused: bool = True, tiled: bool = True) -> None:
+        """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
+        pays (FUSED_CPU_MAX_SCORE_BYTES), the tiled path otherwise. Tests turn either off."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
@@ -46,6 +58,7 @@ class AttentionCompute:
         # an even number of heads: the conditions of torch.nn.MultiheadAttention's own fast path.
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
         self.fused = self.fused and spec.num_heads % 2 == 0
+        self.tiled = tiled and params is not None and params.packed is not None
         if self.fused:
             p = params
             e = spec.embed_dim
@@ -83,6 +96,31 @@ class AttentionCompute:
             merged = merged + padding.view(n, 1, 1, length).expand(-1, self.heads, -1, -1)
         return merged, 2
 
+    def _fused_pays(
+        self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool, need_weights: bool
+    ) -> bool:
+        """Whether a self-attention batch runs faster on the fused kernel than on the tiled path."""
+        if need_weights or not self.tiled or query.device.type != "cpu":
+            return True  # the weights are materialised either way; CUDA's fused kernel tiles itself
+        if key_padding is not None or causal:
+            return False
+        n, length, _ = query.shape
+        return n * self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES
+
+    def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it
+        takes: each call gives up the GIL and must take it back (module docstring)."""
+        p = self.params
+        n, length, e = query.shape
+        q, k, v = F.linear(query, p.packed, p.packed_bias).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[union-attr]
+        if key_padding is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=visibility_mask(key_padding, causal, length, length, q.device)
+            )
+        return F.linear(y.transpose(1, 2).reshape(n, length, e), p.out_weight, p.out_bias)  # type: ignore[union-attr]
+
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,6 +149,8 @@ class AttentionCompute:
         average_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """query [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
+        if self.fused and key is None and not self._fused_pays(query, key_padding, causal, need_weights):
+            return self._tiled(query, key_padding, causal), None
         if self.fused and key is None:
             p = self.params
             mask, mask_type = self._fused_mask(key_padding, causal, query)

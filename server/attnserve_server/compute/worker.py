@@ -357,8 +357,8 @@ class DeviceWorker:
         return AttentionRequest(rand(spec.embed_dim), key, value, padding, causal, need_weights, average, False)
 
     def warmup(self) -> None:
-        """Runs every kernel kind (fused, masked, causal, explicit weights) at two sizes, so no request
-        pays for a first call; mixed lengths exercise padding."""
+        """Runs every kernel kind (fused, masked and causal on the CPU's tiled path, explicit weights) at
+        two sizes, so no request pays for a first call; mixed lengths exercise padding."""
         top = min(64, self.spec.max_query_len, self.spec.max_key_len)
         for length in sorted({max(1, top // 8), top}):
             self.run([self.example_request(length)])
