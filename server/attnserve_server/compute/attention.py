@@ -38,8 +38,8 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # kernel works through them in tiles. Measured in-process (BENCHMARKS.md, twenty-sixth pass, Intel
 # Xeon, AVX-512): W1 batches of 8-32 cost 0.72-0.90x as much per sequence on the tiled path, lone
 # W1 requests 1.03-1.15x, and any masked batch 0.64-0.88x. So an unmasked CPU batch takes the fused
-# kernel only while its scores stay under this many bytes (W1: 4 sequences, 512 KiB). In bfloat16 the
-# two paths tied (0.90-1.16x, no trend), so the same bound serves it.
+# kernel only while its scores stay under this many bytes (W1: up to 7 sequences, 128 KiB each). In
+# bfloat16 the two paths tied (0.90-1.16x, no trend), so the same bound serves it.
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 
 
@@ -102,7 +102,7 @@ class AttentionCompute:
     ) -> bool:
         """Whether a self-attention batch runs faster on the fused kernel than on the tiled path."""
         if need_weights or not self.tiled or query.device.type != "cpu":
-            return True  # the weights are materialised either way; CUDA's fused kernel tiles itself
+            return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
         n, length, _ = query.shape
