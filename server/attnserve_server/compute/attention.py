@@ -150,9 +150,9 @@ class AttentionCompute:
         average_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """query [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
-        if self.fused and key is None and not self._fused_pays(query, key_padding, causal, need_weights):
-            return self._tiled(query, key_padding, causal), None
         if self.fused and key is None:
+            if not self._fused_pays(query, key_padding, causal, need_weights):
+                return self._tiled(query, key_padding, causal), None
             p = self.params
             mask, mask_type = self._fused_mask(key_padding, causal, query)
             y, w = _NATIVE_MHA(  # type: ignore[misc]
