@@ -59,7 +59,7 @@ class AttentionCompute:
         # an even number of heads: the conditions of torch.nn.MultiheadAttention's own fast path.
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
         self.fused = self.fused and spec.num_heads % 2 == 0
-        self.tiled = tiled and params is not None and params.packed is not None
+        self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
         if self.fused:
             p = params
             e = spec.embed_dim
