@@ -701,3 +701,81 @@ def test_the_thread_that_loads_the_model_is_gone_once_it_serves() -> None:
             model.close()
 
     asyncio.run(main())
+
+
+def _lone_and_batched(settings: ModelSettings, make) -> tuple:
+    """(the request's answer alone, its answer in a batch with a second request of its shape): a lone CPU
+    request takes the worker's path without packing or splitting, a batch the padded batch path."""
+    spec = spec_from_settings(settings)
+    params = None if settings.kind == "sdpa" else random_projections(spec, 0)
+    w = DeviceWorker(spec, params, torch.device("cpu"), CpuThreads(1))
+    try:
+        first, second = make(spec, 0), make(spec, 1)
+        return w.run([first])[0], w.run([first, second])[0]
+    finally:
+        w.close()
+
+
+def _rand(b: int, t: int, d: int, dtype: torch.dtype, seed: int) -> HostTensor:
+    return host_tensor(torch.randn(b, t, d, generator=torch.Generator().manual_seed(seed)).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "self, padded keys, weights per head",
+        "self, causal, three sequences",
+        "cross, key and value apart, weights averaged",
+        "cross, one X' for key and value",
+        "bare operation, padded keys",
+        "self, bfloat16",
+    ],
+)
+def test_a_lone_request_answers_as_it_would_in_a_batch(case: str) -> None:
+    kind = "sdpa" if case.startswith("bare") else "mha"
+    cross = not case.startswith("self")
+    dtype = torch.bfloat16 if "bfloat16" in case else torch.float32
+    settings = ModelSettings(
+        embed_dim=16, num_heads=2, kind=kind, kdim=12 if cross and kind == "mha" else None,
+        vdim=(12 if "one X'" in case else 8) if cross else None,
+        dtype=str(dtype).removeprefix("torch."), device=("cpu",),
+    )  # fmt: skip
+    b = 3 if "three" in case else 2
+    length, keys = 5, 7 if cross else 5
+
+    def make(spec, seed: int) -> AttentionRequest:
+        query = _rand(b, length, spec.embed_dim, dtype, seed)
+        key = value = None
+        if cross:
+            key = _rand(b, keys, spec.kdim, dtype, seed + 10)
+            value = key if "one X'" in case else _rand(b, keys, spec.vdim, dtype, seed + 20)
+        padding = None
+        if "padded" in case:
+            padding = np.zeros((b, keys), np.bool_)
+            padding[0, -2:] = True
+        weights = "weights" in case
+        return AttentionRequest(query, key, value, padding, "causal" in case, weights, "averaged" in case, False)
+
+    alone, batched = _lone_and_batched(settings, make)
+    assert alone.output_shape == batched.output_shape
+    assert alone.weights_shape == batched.weights_shape
+    storage = "<i2" if dtype == torch.bfloat16 else "<f4"
+
+    def floats(raw: bytes | memoryview | None, shape) -> np.ndarray:
+        values = torch.from_numpy(np.frombuffer(raw, dtype=storage).copy())  # type: ignore[arg-type]
+        return (values.view(torch.bfloat16) if dtype == torch.bfloat16 else values).float().reshape(shape).numpy()
+
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+    output = floats(alone.output, alone.output_shape)
+    np.testing.assert_allclose(output, floats(batched.output, batched.output_shape), **tolerance)
+    if "weights" in case:
+        per_head = "per head" in case
+        assert alone.weights_shape == ((b, 2, length, keys) if per_head else (b, length, keys))
+        weights = floats(alone.weights, alone.weights_shape)
+        np.testing.assert_allclose(weights, floats(batched.weights, batched.weights_shape), **tolerance)
+    else:
+        assert alone.weights is None
+    report = alone.batch
+    assert (report.requests, report.sequences, report.tokens, report.padded_tokens) == (1, b, b * length, b * length)
+    assert report.padding_fraction == 0.0
+    assert report.compute_s >= report.infer_s > 0 and report.input_s >= 0 and report.output_s >= 0

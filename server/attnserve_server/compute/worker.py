@@ -37,6 +37,12 @@ def _padded(requests: list[AttentionRequest]) -> tuple[int, int, int]:
     )
 
 
+def _bytes_of(a: np.ndarray) -> bytes | memoryview:
+    """An answer's bytes: a view of the output's own memory where it is contiguous (its response's
+    framing copies it once), else a copy."""
+    return memoryview(a).cast("B") if a.flags.c_contiguous else a.tobytes()
+
+
 class _CudaPhases:
     """CUDA events at the batch's phase boundaries on the worker's stream.
 
@@ -216,6 +222,8 @@ class DeviceWorker:
                 torch.set_grad_enabled(True)
 
     def _run(self, requests: list[AttentionRequest]) -> list[Answer]:
+        if len(requests) == 1 and not self._cuda:
+            return [self._run_alone(requests[0])]
         start = time.perf_counter()
         # A call from outside the executor (the event loop's solo runs while the lane's thread is idle,
         # tests, the in-process benchmark) runs on the first lane.
@@ -283,6 +291,58 @@ class DeviceWorker:
                 )
             )
         return answers
+
+    def _run_alone(self, r: AttentionRequest) -> Answer:
+        """A lone request on the CPU: the batch path without its batch work. Its inputs' bytes are its
+        tensors, with no padding, no mask but its own and nothing to pack (the one-part case of
+        `Stager`), and its output is its answer, with nothing to cut (the one-request case of `split`).
+        At concurrency 1 every request takes it. In-process, the batch path's Python around a W1
+        request's forward pass (grouping, staging, splitting, the report's sums) took ~200 µs, this
+        path's ~120 (BENCHMARKS.md, twenty-eighth pass)."""
+        start = time.perf_counter()
+        n, length, s = r.sequences, r.query_len, r.key_len
+        macs = compute_macs(self.spec, n, length, s)
+        threads, chooser = self._set_cpu_threads(macs, 1)
+        query = self._tensor(r.query)
+        key = value = None
+        if r.key is not None:
+            key = self._tensor(r.key)
+            value = key if r.value is r.key else self._tensor(r.value)  # type: ignore[arg-type]
+        padding = None if r.key_padding is None else torch.from_numpy(np.ascontiguousarray(r.key_padding, np.bool_))
+        staged = time.perf_counter()
+        out, weights = self._compute(query, key, value, padding, r.causal, r.need_weights, r.average_weights)
+        computed = time.perf_counter()
+        if chooser is not None:
+            chooser.record(threads, macs, computed - staged, 1)
+        output = to_numpy(out)
+        weights_host = None if weights is None else to_numpy(weights)
+        end = time.perf_counter()
+        report = BatchReport(
+            started=start,
+            compute_s=end - start,
+            input_s=staged - start,
+            infer_s=computed - staged,
+            output_s=end - computed,
+            requests=1,
+            sequences=n,
+            tokens=n * length,
+            padded_tokens=n * length,
+            padding_fraction=0.0,
+            threads=threads,
+        )
+        return Answer(
+            output=_bytes_of(output),
+            output_shape=(n, length, output.shape[-1]),
+            weights=None if weights_host is None else _bytes_of(weights_host),
+            weights_shape=None if weights_host is None else (n, *weights_host.shape[1:-2], length, s),
+            batch=report,
+        )
+
+    def _tensor(self, part: HostTensor) -> torch.Tensor:
+        """A request's input as a tensor over its own bytes (no copy; the kernels only read it)."""
+        if not part.data or any(d == 0 for d in part.shape):  # frombuffer takes no empty buffer
+            return torch.empty(part.shape, dtype=self.dtype)
+        return torch.frombuffer(part.data, dtype=self.dtype).view(part.shape)
 
     def _run_group(
         self, lane: _Lane, requests: list[AttentionRequest], shape: tuple[int, int, int]
