@@ -79,3 +79,37 @@ def test_empty_payload():
     field = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
     data = Frame().add_bytes(field, b"").join()
     assert v2.ModelInferResponse.FromString(data).raw_output_contents == [b""]
+
+
+@pytest.mark.parametrize("request_id", ["", "req-7"])
+@pytest.mark.parametrize("weights_shape", [None, (2, 64, 48), (2, 8, 64, 48)])
+def test_kserves_framed_response_parses_as_the_message_protobuf_builds(request_id, weights_shape):
+    """kserve.encode: a response framed with its tensors uncopied parses as protobuf would build it."""
+    from attnserve_server.domain import Answer
+    from attnserve_server.edge import kserve
+    from attnserve_server.model import spec_from_settings
+    from attnserve_server.settings import ModelSettings
+
+    spec = spec_from_settings(ModelSettings(name="m", device=("cpu",)))
+    output = _payload(2 * 64 * 256, 0)
+    weights = None if weights_shape is None else _payload(int(np.prod(weights_shape)), 1)
+    answer = Answer(output, (2, 64, 256), weights, weights_shape, None)  # type: ignore[arg-type]
+    names = ("attention_weights", "output") if weights_shape else ("output",)  # the order the client asked for
+    decoded = kserve.Decoded(None, names, False, None)  # type: ignore[arg-type]
+    timing = {"queue_ns": 0, "compute_ns": 2**40 + 5, "batch_size": 3, "odd": -5}
+    msg = v2.ModelInferRequest(model_name="m", id=request_id)
+
+    expected = v2.ModelInferResponse(model_name="m", model_version="1", id=request_id)
+    for key, value in timing.items():
+        expected.parameters[key].int64_param = value
+    for name in names:
+        if name == "output":
+            expected.outputs.add(name=name, datatype="FP32", shape=[2, 64, 256])
+            expected.raw_output_contents.append(output)
+        else:
+            shape = weights_shape if len(weights_shape) == 4 else (2, 1, 64, 48)  # averaged: one head
+            expected.outputs.add(name=name, datatype="FP32", shape=shape)
+            expected.raw_output_contents.append(weights)
+    frame = kserve.encode(spec, msg, decoded, answer, timing)
+    assert isinstance(frame, Frame)
+    assert v2.ModelInferResponse.FromString(frame.join()) == expected

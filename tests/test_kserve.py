@@ -288,6 +288,23 @@ def test_typed_contents_in_typed_contents_out(server: Running) -> None:
     assert response.parameters["batch_size"].int64_param >= 1
 
 
+def test_typed_contents_carry_the_weights_typed_too(server: Running) -> None:
+    q = x(1, 3, E)
+    request = typed_request(q)
+    request.parameters["need_weights"].bool_param = True
+    with grpc.insecure_channel(server.target) as channel:
+        response = triton_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+    assert not response.raw_output_contents
+    assert [(o.name, list(o.shape)) for o in response.outputs] == [
+        ("output", [1, 3, E]),
+        ("attention_weights", [1, 1, 3, 3]),
+    ]
+    ref = native(server, q, need_weights=True)
+    typed = [np.array(o.contents.fp32_contents, dtype=np.float32).reshape(o.shape) for o in response.outputs]
+    np.testing.assert_allclose(typed[0], ref.output, atol=1e-6)
+    np.testing.assert_allclose(typed[1].reshape(ref.attention_weights.shape), ref.attention_weights, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
