@@ -52,6 +52,19 @@ def host_tensor(t: torch.Tensor) -> HostTensor:
     return HostTensor(t.contiguous().view(view).numpy().tobytes(), (b, length, d))
 
 
+def over_bytes(part: HostTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A request's input [B, T, D] as a tensor over its own bytes: no copy (the kernels only read it)."""
+    if not part.data:  # frombuffer takes no empty buffer
+        return torch.empty(part.shape, dtype=dtype)
+    return torch.frombuffer(part.data, dtype=dtype).view(part.shape)
+
+
+def answer_bytes(rows: np.ndarray, view: bool) -> bytes | memoryview:
+    """An answer's bytes: with `view`, a byte view of `rows` where they are contiguous (the response's
+    framing then makes the one copy, edge/framing.py); else bytes of their own."""
+    return memoryview(rows).cast("B") if view and rows.flags.c_contiguous else rows.tobytes()
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's elements as numpy (bf16 as uint16 bit patterns); no copy."""
     view = storage_of(t.dtype)[1]
@@ -138,8 +151,8 @@ class Stager:
     def _cpu(self, parts: Sequence[HostTensor], length: int) -> torch.Tensor:
         n = sum(p.shape[0] for p in parts)
         width = parts[0].shape[2]
-        if len(parts) == 1 and parts[0].shape[1] == length and n * length * width:  # (frombuffer: not empty)
-            return torch.frombuffer(parts[0].data, dtype=self.dtype).view(n, length, width)  # no copy
+        if len(parts) == 1 and parts[0].shape[1] == length:
+            return over_bytes(parts[0], self.dtype)
         data = np.empty(n * length * width, dtype=self._storage)
         pack(memoryview(data).cast("B"), parts, length, self._storage.itemsize)
         t = torch.from_numpy(data.reshape(n, length, width))
@@ -193,7 +206,6 @@ def split(
     offset = 0
     length = batch.shape[-2]
     width = batch.shape[-1]
-    contiguous = views and batch.flags.c_contiguous
     for r in requests:
         rows = batch[offset : offset + r.sequences]
         cut = False
@@ -201,6 +213,6 @@ def split(
             rows, cut = rows[..., : r.query_len, :], True
         if key_axis and r.key_len < width:
             rows, cut = rows[..., : r.key_len], True
-        out.append(memoryview(rows).cast("B") if contiguous and not cut else rows.tobytes())
+        out.append(answer_bytes(rows, views and not cut))
         offset += r.sequences
     return out

@@ -13,7 +13,16 @@ import torch
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.graphs import GraphedAttention
 from attnserve_server.compute.groups import length_groups
-from attnserve_server.compute.staging import Slab, Stager, host_tensor, key_mask, split, to_numpy
+from attnserve_server.compute.staging import (
+    Slab,
+    Stager,
+    answer_bytes,
+    host_tensor,
+    key_mask,
+    over_bytes,
+    split,
+    to_numpy,
+)
 from attnserve_server.compute.threads import CpuThreads, ThreadChooser
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import (
@@ -35,12 +44,6 @@ def _padded(requests: list[AttentionRequest]) -> tuple[int, int, int]:
         max(r.query_len for r in requests),
         max(r.key_len for r in requests),
     )
-
-
-def _bytes_of(a: np.ndarray) -> bytes | memoryview:
-    """An answer's bytes: a view of the output's own memory where it is contiguous (its response's
-    framing copies it once), else a copy."""
-    return memoryview(a).cast("B") if a.flags.c_contiguous else a.tobytes()
 
 
 class _CudaPhases:
@@ -303,11 +306,11 @@ class DeviceWorker:
         n, length, s = r.sequences, r.query_len, r.key_len
         macs = compute_macs(self.spec, n, length, s)
         threads, chooser = self._set_cpu_threads(macs, 1)
-        query = self._tensor(r.query)
+        query = over_bytes(r.query, self.dtype)
         key = value = None
         if r.key is not None:
-            key = self._tensor(r.key)
-            value = key if r.value is r.key else self._tensor(r.value)  # type: ignore[arg-type]
+            key = over_bytes(r.key, self.dtype)
+            value = key if r.value is r.key else over_bytes(r.value, self.dtype)  # type: ignore[arg-type]
         padding = None if r.key_padding is None else torch.from_numpy(np.ascontiguousarray(r.key_padding, np.bool_))
         staged = time.perf_counter()
         out, weights = self._compute(query, key, value, padding, r.causal, r.need_weights, r.average_weights)
@@ -331,18 +334,12 @@ class DeviceWorker:
             threads=threads,
         )
         return Answer(
-            output=_bytes_of(output),
+            output=answer_bytes(output, view=True),
             output_shape=(n, length, output.shape[-1]),
-            weights=None if weights_host is None else _bytes_of(weights_host),
+            weights=None if weights_host is None else answer_bytes(weights_host, view=True),
             weights_shape=None if weights_host is None else (n, *weights_host.shape[1:-2], length, s),
             batch=report,
         )
-
-    def _tensor(self, part: HostTensor) -> torch.Tensor:
-        """A request's input as a tensor over its own bytes (no copy; the kernels only read it)."""
-        if not part.data or any(d == 0 for d in part.shape):  # frombuffer takes no empty buffer
-            return torch.empty(part.shape, dtype=self.dtype)
-        return torch.frombuffer(part.data, dtype=self.dtype).view(part.shape)
 
     def _run_group(
         self, lane: _Lane, requests: list[AttentionRequest], shape: tuple[int, int, int]
