@@ -1,4 +1,5 @@
-"""attnserve bench's closed loop on its own: a fake transport on a fake clock; no sockets, no torch."""
+"""attnserve bench's closed loop on its own (a fake transport on a fake clock) and its summary of rounds;
+no sockets, no torch."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 
 import pytest
 from attnserve_bench.bench import Window, closed_loop
+from attnserve_bench.results import Row, medians
 
 
 class Clock:
@@ -84,3 +86,49 @@ def test_each_slot_takes_the_requests_in_turn_from_its_own() -> None:
 
     asyncio.run(closed_loop(send, [b"64", b"128", b"256"], 1, Window(0.0, 4.0), Failed, clock=clock))
     assert seen == [b"128", b"256", b"64", b"128"]
+
+
+def _row(server: str, concurrency: int, rps: float, limit: float | None, batch: float, n: int) -> Row:
+    return Row(
+        server=server,
+        concurrency=concurrency,
+        requests=100 * n,
+        errors=n - 1,
+        throughput_rps=rps,
+        p50_ms=float(n),
+        p90_ms=2.0 * n,
+        p99_ms=3.0 * n,
+        mean_batch=batch,
+        inprocess_rps=limit,
+        inprocess_batch=None if limit is None else max(1, round(batch)),
+        ratio=None if limit is None else rps / limit,
+        error_samples=[f"e{n}"] if n > 1 else [],
+        round=n,
+    )
+
+
+def test_rounds_summarise_as_medians_and_the_ratio_as_the_median_of_each_rounds_own() -> None:
+    # Three rounds of one level on a machine whose speed drifts: the server and the limit slow together.
+    rounds = [
+        _row("s", 32, 60.0, 60.0, 16.2, 1),
+        _row("s", 32, 30.0, 40.0, 15.6, 2),
+        _row("s", 32, 50.0, 100.0, 16.4, 3),
+    ]
+    other = [_row("s", 1, 9.0, 10.0, 1.0, 1), _row("floor", 1, 500.0, None, 0.0, 1)]
+    summary = medians([rounds[0], other[0], rounds[1], other[1], rounds[2]])
+    assert [(r.server, r.concurrency, r.rounds) for r in summary] == [("s", 32, 3), ("s", 1, 1), ("floor", 1, 1)]
+    (row,) = [r for r in summary if r.concurrency == 32]
+    assert (row.throughput_rps, row.inprocess_rps, row.p50_ms, row.p99_ms, row.mean_batch) == (
+        50.0,
+        60.0,
+        2.0,
+        6.0,
+        16.2,
+    )
+    # The rounds' own ratios are 1.0, 0.75 and 0.5: their median, not 50/60 (the medians' ratio).
+    assert row.ratio == 0.75
+    assert (row.requests, row.errors, row.error_samples, row.inprocess_batch) == (600, 3, ["e2", "e3"], 16)
+    assert row.round is None
+    # A level measured once stands as it was, and one with no limit keeps none.
+    assert summary[1].ratio == 0.9 and summary[1].round is None and summary[1].rounds == 1
+    assert summary[2].ratio is None and summary[2].inprocess_rps is None

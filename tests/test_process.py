@@ -354,6 +354,29 @@ def test_bench_sends_mixed_lengths_in_turn(default_server: Running, tmp_path: Pa
     assert "--seq-len: expected a length or a comma list of lengths >= 1, got '8,0'" in bad.stderr
 
 
+def test_bench_rounds_measure_each_level_beside_its_own_limit(default_server: Running, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    r = run_cli(
+        *("bench", "--target", default_server.target, "--model", "default", "--concurrency", "2", "--rounds", "2"),
+        *("--duration-s", "0.4", "--warmup-s", "0.1", "--processes", "1", "--inprocess-s", "0.2"),
+        *("--seq-len", "8", "--json", str(out)),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "medians of 2 rounds" in r.stdout and r.stderr.count("in-process: batches of") == 2
+    assert "(round 1 of 2)" in r.stderr and "(round 2 of 2)" in r.stderr
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    first, second = result["rounds"]
+    assert (first["round"], second["round"], row["rounds"], row["round"]) == (1, 2, 2, None)
+    for one in (first, second):  # each round has its own limit and its own ratio
+        assert one["requests"] > 0 and one["errors"] == 0
+        assert one["ratio"] == pytest.approx(one["throughput_rps"] / one["inprocess_rps"])
+    assert row["requests"] == first["requests"] + second["requests"]
+    assert row["ratio"] == pytest.approx((first["ratio"] + second["ratio"]) / 2)
+    bad = run_cli("bench", "--target", default_server.target, "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds: expected a whole number >= 1, got '0'" in bad.stderr
+
+
 def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) -> None:
     r = run_cli("serve", "--num-heads", "3", "--metrics-port", "-1")
     assert r.returncode == 2 and "embed_dim: 256 is not divisible by num_heads 3" in r.stderr

@@ -3,7 +3,9 @@
 Each client process runs an asyncio client with its share of the concurrency; every
 in-flight slot sends its next request as soon as the previous one answers. After the
 sweep, the same model runs in this process, without gRPC, at the batch size the server
-reached, and each row shows the server's throughput as a ratio of that limit.
+reached, and each row shows the server's throughput as a ratio of that limit. With
+--rounds N the sweep runs N times, each level followed at once by its own limit, and the
+table gives medians.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from attnserve_bench.process import spawn_serve
-from attnserve_bench.results import Row, plot, table
+from attnserve_bench.results import Row, medians, plot, table
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.runtime import allocator, openmp
 
@@ -68,6 +70,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also load a bare gRPC server that echoes the query (no queue, no compute): the transport floor",
     )
     p.add_argument("--inprocess-s", type=float, default=3.0, help="seconds per in-process measurement (default 3)")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="measure every level this many times in turn, each followed at once by its own in-process "
+        "limit (the server idle meanwhile), and print medians: the ratio is the median of the rounds' "
+        "ratios, so a machine whose speed drifts between measurements skews it less (default 1: the "
+        "limit is measured once per batch size, after the servers stop)",
+    )
     p.add_argument(
         "--perf-analyzer",
         metavar="PATH",
@@ -251,6 +262,16 @@ def _lengths(text: str) -> tuple[int, ...]:
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"expected a length or a comma list of lengths >= 1, got {text!r}")
     return lengths
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
 
 
 def _inputs(info: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -512,6 +533,43 @@ def _machine() -> dict[str, Any]:
     return info
 
 
+def _levels(
+    target: str, info: Any, inputs: list[dict[str, Any]], levels: list[int], args: argparse.Namespace, label: str
+) -> list[Callable[[], Row]]:
+    """One round's measurements against one server, in order: each concurrency level (under each
+    perf_analyzer mode, with --perf-analyzer)."""
+    if not args.perf_analyzer:
+        return [lambda level=level: _run_level(target, inputs, level, args, label) for level in levels]
+    from attnserve_bench import perf_analyzer
+
+    data = perf_analyzer.input_data(inputs, info.dtype)
+    return [
+        lambda level=level, mode=mode: perf_analyzer.run_level(target, data, inputs, level, mode, args, label)
+        for mode in args.pa_modes.split(",")
+        for level in levels
+    ]
+
+
+def _limit(
+    row: Row, info: Any, inputs: list[dict[str, Any]], args: argparse.Namespace, cache: dict[int, float] | None = None
+) -> None:
+    """Sets the row's in-process limit, at the batch size its server reached, and its ratio; with a
+    cache, once per batch size."""
+    k = max(1, round(row.mean_batch))
+    rps = cache.get(k) if cache is not None else None
+    if rps is None:
+        print(f"  in-process: batches of {k} request(s)", file=sys.stderr)
+        rps = inprocess_throughput(info, inputs, k, args.inprocess_s, args.torch_threads)
+        if cache is not None:
+            cache[k] = rps
+    row.inprocess_rps, row.inprocess_batch, row.ratio = rps, k, row.throughput_rps / rps
+
+
+def _progress_line(row: Row, rounds: int) -> str:
+    line = table([row]).splitlines()[-1]
+    return f"{line}  (round {row.round} of {rounds})" if row.round is not None else line
+
+
 def run(args: argparse.Namespace) -> int:
     from attnserve import Client
 
@@ -532,8 +590,10 @@ def run(args: argparse.Namespace) -> int:
     variants: list[tuple[str, str] | None] = (
         [None] if args.target else [(b, e) for b in args.max_batch_size.split(",") for e in edge_counts]
     )
-    rows: list[Row] = []
+    rows: list[Row] = []  # every measurement, each round's apart
     info = inputs = echo = None
+    rounds = args.rounds
+    beside = rounds > 1 and not args.no_inprocess  # each level's own limit, measured right after it
     for variant in variants:
         proc = None
         target = args.target
@@ -547,18 +607,17 @@ def run(args: argparse.Namespace) -> int:
             inputs = _inputs(info, args)
             if args.floor and echo is None:
                 echo = _start_echo(target, args.model)
-            if args.perf_analyzer:
-                from attnserve_bench import perf_analyzer
-
-                data = perf_analyzer.input_data(inputs, info.dtype)
-                for mode in args.pa_modes.split(","):
-                    for level in levels:
-                        rows.append(perf_analyzer.run_level(target, data, inputs, level, mode, args, label))
-                        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
-            else:
-                for level in levels:
-                    rows.append(_run_level(target, inputs, level, args, label))
-                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+            for n in range(1, rounds + 1):
+                for measure in _levels(target, info, inputs, levels, args, label):
+                    row = measure()
+                    if rounds > 1:
+                        row.round = n
+                    if beside:
+                        # The server is up and idle (its threads sleep): the limit shares this
+                        # moment's machine with the level it is compared with.
+                        _limit(row, info, inputs, args)
+                    rows.append(row)
+                    print(_progress_line(row, rounds), file=sys.stderr)
         finally:
             if proc is not None:
                 _stop_server(proc)
@@ -569,18 +628,13 @@ def run(args: argparse.Namespace) -> int:
                 print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
         finally:
             echo[0].terminate()
-    if not args.no_inprocess and info is not None and inputs is not None:
+    if not beside and not args.no_inprocess and info is not None and inputs is not None:
         # Measured after the servers stopped, on the model's device, at each batch size reached.
         cache: dict[int, float] = {}
         for row in rows:
-            if row.server == FLOOR:
-                continue
-            k = max(1, round(row.mean_batch))
-            if k not in cache:
-                print(f"  in-process: batches of {k} request(s)", file=sys.stderr)
-                cache[k] = inprocess_throughput(info, inputs, k, args.inprocess_s, args.torch_threads)
-            row.inprocess_rps, row.inprocess_batch = cache[k], k
-            row.ratio = row.throughput_rps / cache[k]
+            if row.server != FLOOR:
+                _limit(row, info, inputs, args, cache)
+    summary = medians(rows)
     command = "attnserve " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnserve") else " ".join(sys.argv)
     print(f"\n{command}\n{datetime.now(UTC):%Y-%m-%d %H:%M} UTC  {_machine()}")
     if info is not None:
@@ -590,10 +644,19 @@ def run(args: argparse.Namespace) -> int:
             + (f", S={args.kv_len}" if args.kv_len else "")
             + (", causal" if args.causal else "")
         )
-    print(table(rows))
+    if rounds > 1:
+        print(
+            f"medians of {rounds} rounds"
+            + (
+                "; each round's ratio against the limit measured right after it, the ratio their median"
+                if beside
+                else ""
+            )
+        )
+    print(table(summary))
     if args.plot:
         try:
-            plot(rows, args.plot, command)
+            plot(summary, args.plot, command)
         except ImportError:
             print("attnserve bench: --plot needs matplotlib: pip install 'attnserve[plot]'", file=sys.stderr)
             return 2
@@ -605,7 +668,8 @@ def run(args: argparse.Namespace) -> int:
                     "command": command,
                     "machine": _machine(),
                     "date": datetime.now(UTC).isoformat(),
-                    "rows": [asdict(r) for r in rows],
+                    "rows": [asdict(r) for r in summary],
+                    **({"rounds": [asdict(r) for r in rows]} if rounds > 1 else {}),
                 },
                 f,
                 indent=2,

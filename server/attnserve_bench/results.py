@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -20,6 +22,48 @@ class Row:
     inprocess_batch: int | None = None
     ratio: float | None = None
     error_samples: list[str] = field(default_factory=list)
+    rounds: int = 1  # a row of medians: how many rounds it summarises
+    round: int | None = None  # a row of one round: which (from 1)
+
+
+def medians(rows: list[Row]) -> list[Row]:
+    """One row per server and concurrency, in first-seen order: the median of each measured figure
+    over that row's rounds. The ratio is the median of each round's own ratio (its throughput over the
+    limit measured beside it), not the ratio of two medians: a round's pair shares the machine's mood.
+    Requests and errors are totals."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.server, r.concurrency), []).append(r)
+    out = []
+    for own in groups.values():
+        if len(own) == 1:
+            out.append(replace(own[0], round=None))
+            continue
+
+        def median(name: str, own: list[Row] = own) -> float | None:
+            values = [getattr(r, name) for r in own if getattr(r, name) is not None]
+            return float(statistics.median(values)) if values else None
+
+        batches = Counter(r.inprocess_batch for r in own if r.inprocess_batch is not None)
+        out.append(
+            Row(
+                server=own[0].server,
+                concurrency=own[0].concurrency,
+                requests=sum(r.requests for r in own),
+                errors=sum(r.errors for r in own),
+                throughput_rps=median("throughput_rps") or 0.0,
+                p50_ms=median("p50_ms") or 0.0,
+                p90_ms=median("p90_ms") or 0.0,
+                p99_ms=median("p99_ms") or 0.0,
+                mean_batch=median("mean_batch") or 0.0,
+                inprocess_rps=median("inprocess_rps"),
+                inprocess_batch=batches.most_common(1)[0][0] if batches else None,
+                ratio=median("ratio"),
+                error_samples=sorted({e for r in own for e in r.error_samples})[:3],
+                rounds=len(own),
+            )
+        )
+    return out
 
 
 def table(rows: list[Row]) -> str:
