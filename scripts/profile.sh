@@ -2,7 +2,7 @@
 # Where the server's CPU goes under load: py-spy (native frames, every thread) while Triton's
 # perf_analyzer drives W1 over KServe v2, then a table per thread (scripts/profile_summary.py).
 #
-#   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30), SECONDS_SPY (12), MODE (sync|async),
+#   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30; more than SECONDS_SPY + 4), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags),
 #                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request,
 #                                        and its counts, so every "per request" figure, are then per sequence),
@@ -79,6 +79,11 @@ else
   sleep "$SECONDS_SPY"
 fi
 t1=$(date +%s.%N) c1=$(cpu_ticks) l1=$(load_ticks)
+if ! kill -0 "$LOAD" 2>/dev/null; then
+  # Its CPU and the server's busy time would be read over a window that was partly idle.
+  echo "profile.sh: perf_analyzer ended before the recording did: give SECONDS_PA more than SECONDS_SPY + 4" >&2
+  exit 1
+fi
 thread_sched >"$OUT/threads-1.txt"
 wait $LOAD || true
 rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail -n 1)
