@@ -27,6 +27,7 @@ from attnserve_server.compute.threads import (
     PROBE_EVERY,
     SMALL_BATCH_MACS,
     CpuThreads,
+    ThreadChooser,
 )
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -356,6 +357,65 @@ def test_a_large_batch_of_several_requests_runs_on_whichever_thread_count_measur
     assert eased[-4 * interval :].count(1) == 4
 
 
+def _contended(one_on_cpu: float, seconds: dict[int, float], batches: int = 8 * PROBE_EVERY) -> list[int]:
+    """Batches of several: compute times by thread count, and the share of its time a one-thread batch
+    ran on a CPU (the rest it waited for a core)."""
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+    picked = []
+    for _ in range(batches):
+        threads, _measured = chooser.pick(MEASURED, 12)
+        chooser.record(threads, MEASURED, seconds[threads], 12, one_on_cpu if threads == 1 else 0.6)
+        picked.append(threads)
+    return picked[2 * FIRST_SAMPLES :]
+
+
+@pytest.mark.parametrize(
+    ("one_on_cpu", "seconds", "mostly"),
+    [
+        # W1 at concurrency 32 (twenty-ninth pass): two threads 10% faster a batch, but one thread's
+        # batches waited for a core 30% of their time: the core the second thread would take.
+        (0.70, {1: 0.0086, 2: 0.0078}, 1),
+        # L=256 at concurrency 32: a one-thread batch waits 12% of its time; two threads 14% faster keep it.
+        (0.88, {1: 0.046, 2: 0.040}, 2),
+        # WL: two threads 1.9x faster pay for the core whoever wanted it.
+        (0.60, {1: 0.0165, 2: 0.0087}, 2),
+    ],
+)
+def test_a_batch_of_several_keeps_to_one_thread_while_one_threads_batches_wait_for_a_core(
+    one_on_cpu: float, seconds: dict[int, float], mostly: int
+) -> None:
+    later = _contended(one_on_cpu, seconds)
+    assert later.count(mostly) > 0.95 * len(later)
+
+
+def test_the_wait_for_a_core_is_a_recent_mean_and_lone_requests_do_not_count() -> None:
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+    seconds = {1: 0.0086, 2: 0.0078}
+
+    def run(batches: int, on_cpu: float) -> list[int]:
+        picked = []
+        for _ in range(batches):
+            threads, _measured = chooser.pick(MEASURED, 12)
+            chooser.record(threads, MEASURED, seconds[threads], 12, on_cpu)
+            picked.append(threads)
+        return picked
+
+    # A quiet host: one-thread batches never wait, and two threads, 10% faster, are used.
+    assert run(4 * PROBE_EVERY, 1.0)[-PROBE_EVERY:].count(2) == PROBE_EVERY - 1
+    # Lone requests that wait for a core say nothing of batches of several, nor of lone requests: the
+    # rule is for batches of several (a lone request's second thread wakes an idle core).
+    for _ in range(50):
+        threads, _measured = chooser.pick(19_000_000, 1)
+        chooser.record(threads, 19_000_000, 0.0005 if threads == 1 else 0.0004, 1, 0.1)
+    assert chooser.preferred() == 2 and chooser.preferred(alone=True) == 2
+    # The load grows: the probes of one thread now wait 30% of their time, and within 16 probes one
+    # thread takes over; then two threads are only probed.
+    picked = run(16 * PROBE_EVERY + 4 * PROBE_EVERY, 0.7)
+    assert picked[-4 * PROBE_EVERY :].count(2) == 4
+    # It eases again: one-thread batches stop waiting, and two threads are back within a few of them.
+    assert run(8, 1.0)[-1] == 2
+
+
 def test_noisy_batches_keep_the_choice_on_the_faster_thread_count() -> None:
     """W1 at concurrency 32 (twentieth pass): two threads 6% slower a batch than one, and batch times
     spread by a third. The means must not wander across min_speedup so often that the slower count
@@ -494,6 +554,26 @@ def test_the_worker_times_a_measured_batch_on_each_count_and_reports_the_threads
         assert lone.threads == 2 and lone.requests == 1
     finally:
         w.close()
+
+
+def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_cpu(monkeypatch) -> None:
+    seen: list[tuple[int, int, float | None]] = []
+    record = ThreadChooser.record
+
+    def spy(self, threads, macs, seconds, requests, on_cpu=None):
+        seen.append((threads, requests, on_cpu))
+        return record(self, threads, macs, seconds, requests, on_cpu)
+
+    monkeypatch.setattr(ThreadChooser, "record", spy)
+    w = worker(torch_threads=2, small_batch_macs=1)  # every batch of several requests is measured
+    try:
+        batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
+        for _ in range(4):
+            w.executor.submit(w.run, batch).result()
+    finally:
+        w.close()
+    several = [on_cpu for _threads, requests, on_cpu in seen if requests == 2]
+    assert len(several) == 4 and all(on_cpu is not None and 0.0 < on_cpu <= 1.01 for on_cpu in several)
 
 
 def test_a_batchs_multiply_adds_count_projections_and_attention() -> None:

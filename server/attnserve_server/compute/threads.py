@@ -27,6 +27,17 @@ at concurrency 32, whose loop is far less busy, still ran 1.16x faster on two, a
 So each worker thread times such batches on both and runs them on every thread only while that
 measures at least `min_speedup` times faster than one.
 
+Batch time alone could not tell W1 at concurrency 32 from L=256 there: two threads measured 1.0-1.1x
+and 1.14x faster, close enough that the noise of single batches decided. Fresh W1 servers ran a third
+to a half of their batches on two threads in 6 of 8 runs, and served less (twenty-ninth pass).
+What tells the two apart is how long the worker's thread waits (for a core, or for the GIL) while it
+runs a batch on one thread: 21-31% of the batch at W1, where the event loop and gRPC want the other
+core and a second thread would take it from them; 11-15% at L=256; ~5% at L=256 at concurrency 4. So
+a batch of several runs on one thread while one thread's batches wait CONTENDED of their time or more,
+unless every thread computes at least STRONG_SPEEDUP times faster (WL: ~1.9x), which pays for the
+core wherever it comes from. Against the batch-time rule alone, eight fresh servers each in turn
+served W1 at concurrency 32 at a median 1711 against 1651 req/s.
+
 A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
 decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran
 faster on one thread on the Intel VM of BENCHMARKS.md's later passes (under a short OpenMP spin)
@@ -56,6 +67,11 @@ SMALL_BATCH_MACS = 128_000_000
 # two are 1.6-1.9x faster (W1 and L=256); under contention W1 measured 0.75-1.05x and L=256 1.16x. A
 # little above 1: a tie goes to the cheaper choice.
 MIN_SPEEDUP = 1.05
+# Batches of several requests on one thread that wait for a core this share of their time or more
+# (a mean over recent batches) run on one thread, unless every thread is STRONG_SPEEDUP times faster
+# (the module docstring): between W1's 21-31% and L=256's 11-15% at concurrency 32 on the 2-vCPU VM.
+CONTENDED = 0.2
+STRONG_SPEEDUP = 1.5
 # One batch in PROBE_EVERY runs on the arm not in use, to keep its estimate current; each estimate is
 # an exponentially weighted mean of seconds per multiply-add with this weight for the newest batch.
 # Batches under load vary by a third or more (p10 to p90), and with a weight of 0.25 each mean wandered
@@ -116,6 +132,7 @@ class _Arms:
         self.cost: dict[int, float] = {}  # threads -> mean seconds per multiply-add
         self.first: dict[int, list[float]] = {most: [], 1: []}  # threads -> costs of its first batches
         self.since_probe = 0  # measured batches since the other choice last ran
+        self.waited: float | None = None  # mean share of a one-thread batch spent waiting for a core
 
 
 class ThreadChooser:
@@ -167,19 +184,25 @@ class ThreadChooser:
 
     def preferred(self, alone: bool = False) -> int:
         """The threads a measured batch (of several requests, or `alone`) runs on between probes: all,
-        unless they are not yet known to be at least min_speedup faster."""
-        cost = self._arms[alone].cost
-        one, every = cost.get(1), cost.get(self.most)
+        unless they are not yet known to be at least min_speedup faster, or (several requests) one
+        thread's batches wait for a core and all are not STRONG_SPEEDUP faster."""
+        arms = self._arms[alone]
+        one, every = arms.cost.get(1), arms.cost.get(self.most)
         if one is None or every is None:
             return self.most
+        if arms.waited is not None and arms.waited >= CONTENDED and one < STRONG_SPEEDUP * every:
+            return 1
         return self.most if one >= self._rule.min_speedup * every else 1
 
-    def record(self, threads: int, macs: int, seconds: float, requests: int) -> None:
+    def record(self, threads: int, macs: int, seconds: float, requests: int, on_cpu: float | None = None) -> None:
         """A measured batch of `requests` requests and `macs` multiply-adds took `seconds` to compute
-        on `threads` threads."""
+        on `threads` threads; `on_cpu`, where known: the share of that time its thread ran on a CPU."""
         if macs <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         arms = self._arms[requests <= 1]
+        if threads == 1 and requests > 1 and on_cpu is not None:
+            waited = min(max(1.0 - on_cpu, 0.0), 1.0)
+            arms.waited = waited if arms.waited is None else arms.waited + self._weight * (waited - arms.waited)
         cost = seconds / macs
         first = arms.first[threads]
         if len(first) < FIRST_SAMPLES:

@@ -246,6 +246,9 @@ class DeviceWorker:
         # On the CPU the output is a tensor of this batch's own, so answers may be views of it; on
         # CUDA it lies in the lane's pinned slab, which the next batch overwrites: answers copy out.
         fresh = lane.out is None
+        # What the batch's thread spends on a CPU, for its chooser: a core it waits for (or the GIL)
+        # is one the event loop wants (compute/threads.py).
+        cpu_start, wall_start = (time.thread_time(), time.perf_counter()) if chooser is not None else (0.0, 0.0)
         for group, shape in zip(groups, shapes, strict=True):
             out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
             staged_s += stage_s
@@ -255,7 +258,8 @@ class DeviceWorker:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
                 weights = (weights or []) + split(weights_host, group, key_axis=True, views=fresh)
         if chooser is not None:
-            chooser.record(threads, macs, computed_s, len(requests))
+            on_cpu = (time.thread_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9)
+            chooser.record(threads, macs, computed_s, len(requests), on_cpu)
         width = out_host.shape[-1]
         if groups[0] is not requests:  # grouped by length: back in the batch's order
             order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
