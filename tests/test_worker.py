@@ -22,9 +22,11 @@ from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack, split
 from attnserve_server.compute.threads import (
     FIRST_SAMPLES,
+    LONE_UNDER_LOAD,
     MIN_SPEEDUP,
     PROBE_BUDGET,
     PROBE_EVERY,
+    SHORT_PROBE_FACTOR,
     SMALL_BATCH_MACS,
     CpuThreads,
     ThreadChooser,
@@ -409,11 +411,27 @@ def test_the_wait_for_a_core_is_a_recent_mean_and_lone_requests_do_not_count() -
         chooser.record(threads, 19_000_000, 0.0005 if threads == 1 else 0.0004, 1, 0.1)
     assert chooser.preferred() == 2 and chooser.preferred(alone=True) == 2
     # The load grows: the probes of one thread now wait 30% of their time, and within 16 probes one
-    # thread takes over; then two threads are only probed.
-    picked = run(16 * PROBE_EVERY + 4 * PROBE_EVERY, 0.7)
-    assert picked[-4 * PROBE_EVERY :].count(2) == 4
+    # thread takes over; then every thread is only probed, SHORT_PROBE_FACTOR times less often.
+    picked = run(16 * PROBE_EVERY + 2 * SHORT_PROBE_FACTOR * PROBE_EVERY, 0.7)
+    assert picked[-2 * SHORT_PROBE_FACTOR * PROBE_EVERY :].count(2) == 2
     # It eases again: one-thread batches stop waiting, and two threads are back within a few of them.
     assert run(8, 1.0)[-1] == 2
+
+
+def test_a_lone_request_under_load_runs_on_one_thread_while_batches_of_several_are_short_of_cores() -> None:
+    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
+    for _ in range(2 * FIRST_SAMPLES + 10):  # alone, two threads are faster
+        threads, _measured = chooser.pick(19_000_000, 1)
+        chooser.record(threads, 19_000_000, 0.0005 if threads == 1 else 0.0004, 1)
+    assert chooser.preferred(alone=True) == 2
+    for _ in range(4 * PROBE_EVERY):  # batches of several, short of cores (W1 at concurrency 32)
+        threads, _measured = chooser.pick(MEASURED, 12)
+        chooser.record(threads, MEASURED, 0.0086 if threads == 1 else 0.0078, 12, 0.7)
+    assert chooser.preferred() == 1
+    # Lone requests between them take one thread, untimed; once LONE_UNDER_LOAD come in a row the
+    # server is quiet again, and a lone request chooses for itself.
+    lone = [chooser.pick(19_000_000, 1) for _ in range(LONE_UNDER_LOAD)]
+    assert lone[:-1] == [(1, False)] * (LONE_UNDER_LOAD - 1) and lone[-1] == (2, True)
 
 
 def test_noisy_batches_keep_the_choice_on_the_faster_thread_count() -> None:

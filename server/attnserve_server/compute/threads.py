@@ -36,7 +36,12 @@ core and a second thread would take it from them; 11-15% at L=256; ~5% at L=256 
 a batch of several runs on one thread while one thread's batches wait CONTENDED of their time or more,
 unless every thread computes at least STRONG_SPEEDUP times faster (WL: ~1.9x), which pays for the
 core wherever it comes from. Against the batch-time rule alone, eight fresh servers each in turn
-served W1 at concurrency 32 at a median 1711 against 1651 req/s.
+served W1 at concurrency 32 at a median 1711 against 1651 req/s. Every thread's batches then remain
+as probes, and a lone request between batches of several (about one batch in ten at concurrency 32)
+was still timed on its own: each woke the partner, which then spun on the loop's core. So while
+batches of several are short of cores, every thread is probed SHORT_PROBE_FACTOR times less often,
+and a lone request within LONE_UNDER_LOAD of a batch of several runs on one thread. W1 at concurrency
+32 then served as much as `--torch-threads 1` (1.017 in pairs, against 0.942 before).
 
 A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
 decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran
@@ -72,6 +77,15 @@ MIN_SPEEDUP = 1.05
 # (the module docstring): between W1's 21-31% and L=256's 11-15% at concurrency 32 on the 2-vCPU VM.
 CONTENDED = 0.2
 STRONG_SPEEDUP = 1.5
+# A lone request that comes within this many lone requests of a batch of several, while such batches
+# keep to one thread for want of a core, runs on one thread too: the server is under load, and a
+# second thread would take the core from the event loop and spin there afterwards (openmp.py).
+LONE_UNDER_LOAD = 8
+# While batches of several keep to one thread for want of a core, every thread is probed this many
+# times less often: each probe wakes the partner, which then spins on the core the loop wanted. W1 at
+# concurrency 32 lost ~3% to probes every 32 batches (twenty-ninth pass); one thread's batches keep
+# telling the wait, so easing load still shows at once.
+SHORT_PROBE_FACTOR = 8
 # One batch in PROBE_EVERY runs on the arm not in use, to keep its estimate current; each estimate is
 # an exponentially weighted mean of seconds per multiply-add with this weight for the newest batch.
 # Batches under load vary by a third or more (p10 to p90), and with a weight of 0.25 each mean wandered
@@ -156,13 +170,20 @@ class ThreadChooser:
         self._weight = weight
         self._measure = most > 1 and rule.small_batch_macs > 0 and rule.min_speedup > 0
         self._arms = {True: _Arms(most), False: _Arms(most)}  # alone? -> what is known
+        self._lone_run = LONE_UNDER_LOAD  # lone requests since the last batch of several, up to LONE_UNDER_LOAD
 
     def pick(self, macs: int, requests: int) -> tuple[int, bool]:
         """(threads, measured): the threads for this batch, and whether `record` should learn from it."""
         threads = self._rule.for_batch(self.most, macs, requests)
+        alone = requests <= 1
+        if not alone:
+            self._lone_run = 0
+        elif self._lone_run < LONE_UNDER_LOAD:
+            self._lone_run += 1
         if not self._measure or threads != self.most:
             return threads, False
-        alone = requests <= 1
+        if alone and self._lone_run < LONE_UNDER_LOAD and self._short_of_cores(self._arms[False]):
+            return 1, False
         arms = self._arms[alone]
         fewer = min((self.most, 1), key=lambda t: len(arms.first[t]))  # a tie: every thread first
         if len(arms.first[fewer]) < FIRST_SAMPLES:
@@ -176,11 +197,13 @@ class ThreadChooser:
         return best, True
 
     def probe_interval(self, best: int, other: int, alone: bool = False) -> int:
-        """Measured batches from one probe of `other` to the next: PROBE_EVERY, or more where `other`
-        is so much slower that probing it as often would cost more than PROBE_BUDGET."""
-        cost = self._arms[alone].cost
-        excess = cost[other] / cost[best] - 1.0
-        return max(self._probe_every, math.ceil(excess / PROBE_BUDGET))
+        """Measured batches from one probe of `other` to the next: PROBE_EVERY (SHORT_PROBE_FACTOR times
+        that while batches of several are short of cores), or more where `other` is so much slower that
+        probing it as often would cost more than PROBE_BUDGET."""
+        arms = self._arms[alone]
+        excess = arms.cost[other] / arms.cost[best] - 1.0
+        every = self._probe_every * (SHORT_PROBE_FACTOR if not alone and self._short_of_cores(arms) else 1)
+        return max(every, math.ceil(excess / PROBE_BUDGET))
 
     def preferred(self, alone: bool = False) -> int:
         """The threads a measured batch (of several requests, or `alone`) runs on between probes: all,
@@ -190,9 +213,17 @@ class ThreadChooser:
         one, every = arms.cost.get(1), arms.cost.get(self.most)
         if one is None or every is None:
             return self.most
-        if arms.waited is not None and arms.waited >= CONTENDED and one < STRONG_SPEEDUP * every:
+        if self._short_of_cores(arms):
             return 1
         return self.most if one >= self._rule.min_speedup * every else 1
+
+    def _short_of_cores(self, arms: _Arms) -> bool:
+        """Whether one thread's batches (of several) wait for a core CONTENDED of their time, and every
+        thread is not STRONG_SPEEDUP faster."""
+        one, every = arms.cost.get(1), arms.cost.get(self.most)
+        if arms.waited is None or one is None or every is None:
+            return False
+        return arms.waited >= CONTENDED and one < STRONG_SPEEDUP * every
 
     def record(self, threads: int, macs: int, seconds: float, requests: int, on_cpu: float | None = None) -> None:
         """A measured batch of `requests` requests and `macs` multiply-adds took `seconds` to compute
