@@ -4,9 +4,12 @@ no sockets, no torch."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import threading
+import time
 
 import pytest
-from attnserve_bench.bench import Window, closed_loop
+from attnserve_bench.bench import StartLine, Window, closed_loop
 from attnserve_bench.results import Row, medians
 
 
@@ -132,3 +135,32 @@ def test_rounds_summarise_as_medians_and_the_ratio_as_the_median_of_each_rounds_
     # A level measured once stands as it was, and one with no limit keeps none.
     assert summary[1].ratio == 0.9 and summary[1].round is None and summary[1].rounds == 1
     assert summary[2].ratio is None and summary[2].inprocess_rps is None
+
+
+class _Client:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_the_clients_start_together_once_every_one_is_ready() -> None:
+    line = StartLine(mp.get_context("spawn"))
+    starts: list[float] = []
+    clients = [threading.Thread(target=lambda: starts.append(line.ready_and_wait())) for _ in range(2)]
+    for c in clients:
+        c.start()
+    before = time.time()
+    line.start_when_ready([_Client(True), _Client(True)], timeout_s=30)
+    for c in clients:
+        c.join()
+    assert len(starts) == 2 and starts[0] == starts[1] >= before + StartLine.LEAD_S
+
+
+def test_a_client_that_dies_before_it_is_ready_fails_the_start_instead_of_hanging() -> None:
+    # One client was ready; the other died while importing. A short window must not be spent waiting.
+    line = StartLine(mp.get_context("spawn"))
+    line._ready.release()
+    with pytest.raises(RuntimeError, match="died before the start"):
+        line.start_when_ready([_Client(True), _Client(False)], timeout_s=30)

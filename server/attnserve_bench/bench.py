@@ -114,6 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 FLOOR = "grpc floor (echo)"
+READY_TIMEOUT_S = 120.0  # for the spawned client processes to import the client and connect
 
 
 # -- client processes -----------------------------------------------------------------------
@@ -124,7 +125,7 @@ def _client_process(
     connection: dict[str, Any],
     requests: list[bytes],
     concurrency: int,
-    start_at: float,
+    start: StartLine,
     warmup_s: float,
     duration_s: float,
     progress: Any,
@@ -144,9 +145,7 @@ def _client_process(
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     credentials = channel_credentials(connection["tls"], connection["ca"], connection["cert"], connection["key"], None)
 
-    window = Window(start_at + warmup_s, start_at + warmup_s + duration_s)
-
-    async def main() -> None:
+    async def main() -> Window:
         options = channel_options(DEFAULT_MAX_MESSAGE_BYTES, retries=False)
         channel = (
             grpc.aio.secure_channel(target, credentials, options)
@@ -167,6 +166,9 @@ def _client_process(
             def measured() -> None:
                 progress[slot] += 1
 
+            await channel.channel_ready()
+            start_at = await asyncio.to_thread(start.ready_and_wait)
+            window = Window(start_at + warmup_s, start_at + warmup_s + duration_s)
             await asyncio.sleep(max(0.0, start_at - time.time()))
             await asyncio.gather(
                 *(
@@ -174,9 +176,41 @@ def _client_process(
                     for i in range(concurrency)
                 )
             )
+            return window
 
-    asyncio.run(main())
+    window = asyncio.run(main())
     results.put((window.latencies, window.batches, window.errors))
+
+
+class StartLine:
+    """Starts the client processes' clocks together once every one of them has imported the client and
+    connected, however long the spawned interpreters take (seconds on a loaded 2-core CI machine), so a
+    short window is never over before its clients exist."""
+
+    LEAD_S = 0.1  # from the last one ready to the common start
+
+    def __init__(self, ctx: Any) -> None:
+        self._ready = ctx.Semaphore(0)
+        self._go = ctx.Event()
+        self._at = ctx.Value("d", 0.0, lock=False)
+
+    def ready_and_wait(self) -> float:
+        """In a client process: report ready, wait for the start, return its wall-clock time."""
+        self._ready.release()
+        self._go.wait()
+        return float(self._at.value)
+
+    def start_when_ready(self, processes: list[Any], timeout_s: float) -> None:
+        """In the parent: wait until every process is ready, then set the common start."""
+        deadline = time.monotonic() + timeout_s
+        for _ in processes:
+            while not self._ready.acquire(timeout=0.5):
+                if not all(p.is_alive() for p in processes):
+                    raise RuntimeError("a client process died before the start; see its traceback above")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the client processes were not ready within {timeout_s:.0f} s")
+        self._at.value = time.time() + self.LEAD_S
+        self._go.set()
 
 
 class Window:
@@ -310,7 +344,7 @@ def _run_level(
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     progress = ctx.Array("q", procs, lock=False)
     results = ctx.Queue()
-    start_at = time.time() + 1.5  # time for the spawned interpreters to import the client
+    start = StartLine(ctx)
     workers = [
         ctx.Process(
             target=_client_process,
@@ -319,7 +353,7 @@ def _run_level(
                 args.connection,
                 requests,
                 share,
-                start_at,
+                start,
                 args.warmup_s,
                 args.duration_s,
                 progress,
@@ -331,6 +365,7 @@ def _run_level(
     ]
     for w in workers:
         w.start()
+    start.start_when_ready(workers, timeout_s=READY_TIMEOUT_S)
     gathered = []
     with _progress(f"{label} c={concurrency}") as bar:
         while len(gathered) < procs:
