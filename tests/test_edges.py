@@ -197,6 +197,7 @@ def test_an_edge_that_dies_stops_the_server_with_a_non_zero_exit(server_process)
     # the dead edge is reported as such, not as a drain that ran out of time
     assert f"edge process 0 (pid {edges[0]}) exited with -9" in log
     assert "ran out before every accepted request was answered" not in log, log[-2000:]
+    assert "; exit 1" in log.splitlines()[-1], log[-2000:]  # the last word: why the orchestrator restarts it
 
 
 def test_an_edge_process_imports_no_torch() -> None:

@@ -93,6 +93,7 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
     log = server.proc.stderr.read()
     assert "shutting down" in log
+    assert re.search(r"stopped in \d+\.\ds, every accepted request answered; exit 0", log)
     assert f"event loop: {'asyncio' if TEST_LOOP == 'asyncio' else 'uvloop'}" in log  # uvloop: the server extra's
     # serve's own OpenMP default, unless this environment chose one (openmp.py)
     chosen = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]

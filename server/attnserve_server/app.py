@@ -179,10 +179,11 @@ class AttnServer:
         await set_health(self._health, (), SERVING)
         log.info("attnserve serving %s on port %d", ", ".join(self.models), self.port)
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, refuse new calls, finish accepted requests within grace_s."""
+    async def stop(self, grace_s: float | None = None) -> bool:
+        """Graceful stop: NOT_SERVING, refuse new calls, finish accepted requests within grace_s.
+        Whether every accepted request was answered (False: the grace ran out, or the drain failed)."""
         if self._stopped:
-            return
+            return True
         grace = self.settings.grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
@@ -202,11 +203,13 @@ class AttnServer:
             await self._front.stop(deadline)
         if self.edges is not None:
             results.append(await self.edges.stop(deadline))
+        drained = True
         for result in results:
             if result is False:
                 log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)
             elif isinstance(result, BaseException):
                 log.error("error during shutdown: %r", result)
+            drained = drained and result is not False and not isinstance(result, BaseException)
         if self._health_server is not None:  # last: probes see NOT_SERVING for the whole drain
             await self._health_server.stop(0)
         if self.layout is not None:
@@ -221,3 +224,4 @@ class AttnServer:
         if self.tracing is not None and self._owns_tracing:
             self.tracing.shutdown()  # sends the spans still buffered
         self._stopped = True
+        return drained

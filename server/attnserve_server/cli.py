@@ -134,11 +134,16 @@ async def _serve(settings: Any) -> int:
     signalled = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(server.failed.wait())
     await asyncio.wait((signalled, failed), return_when=asyncio.FIRST_COMPLETED)
-    logging.getLogger("attnserve").info("shutting down: finishing accepted requests (grace %.1fs)", settings.grace_s)
-    await server.stop()
+    log = logging.getLogger("attnserve")
+    log.info("shutting down: finishing accepted requests (grace %.1fs)", settings.grace_s)
+    began = loop.time()
+    drained = await server.stop()
     signalled.cancel()
     failed.cancel()
-    return 1 if server.failed.is_set() else 0
+    code = 1 if server.failed.is_set() else 0
+    answered = "every accepted request answered" if drained else "NOT every accepted request answered"
+    log.info("stopped in %.1fs, %s; exit %d", loop.time() - began, answered, code)
+    return code
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
