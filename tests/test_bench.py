@@ -164,3 +164,9 @@ def test_a_client_that_dies_before_it_is_ready_fails_the_start_instead_of_hangin
     line._ready.release()
     with pytest.raises(RuntimeError, match="died before the start"):
         line.start_when_ready([_Client(True), _Client(False)], timeout_s=30)
+
+
+def test_a_client_whose_start_never_comes_gives_up_instead_of_hanging() -> None:
+    line = StartLine(mp.get_context("spawn"))
+    with pytest.raises(RuntimeError, match="no start within"):
+        line.ready_and_wait(timeout_s=0.05)

@@ -194,10 +194,11 @@ class StartLine:
         self._go = ctx.Event()
         self._at = ctx.Value("d", 0.0, lock=False)
 
-    def ready_and_wait(self) -> float:
+    def ready_and_wait(self, timeout_s: float = READY_TIMEOUT_S) -> float:
         """In a client process: report ready, wait for the start, return its wall-clock time."""
         self._ready.release()
-        self._go.wait()
+        if not self._go.wait(timeout_s):  # the parent gave up on a sibling, or died
+            raise RuntimeError(f"no start within {timeout_s:.0f} s of this client being ready")
         return float(self._at.value)
 
     def start_when_ready(self, processes: list[Any], timeout_s: float) -> None:
@@ -365,7 +366,12 @@ def _run_level(
     ]
     for w in workers:
         w.start()
-    start.start_when_ready(workers, timeout_s=READY_TIMEOUT_S)
+    try:
+        start.start_when_ready(workers, timeout_s=READY_TIMEOUT_S)
+    except RuntimeError:
+        for w in workers:  # a client still connecting (or waiting for the start) would outlive us
+            w.terminate()
+        raise
     gathered = []
     with _progress(f"{label} c={concurrency}") as bar:
         while len(gathered) < procs:
