@@ -496,6 +496,19 @@ def test_drain_runs_queued_work_at_once_and_then_refuses_new_requests() -> None:
     run(main())
 
 
+def test_a_drain_with_no_time_and_nothing_left_has_drained() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        b = Batcher(limits())
+        threads = start(b, runner)
+        assert await submit(b, "done") == ("done", "done")
+        assert await b.drain(0) is True  # --grace-s 0 on an idle server: nothing ran out
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_drain_that_runs_out_of_time_fails_what_is_left_unavailable() -> None:
     async def main() -> None:
         runner = FakeRunner()  # held shut until the end

@@ -106,6 +106,29 @@ def test_sigterm_finishes_every_accepted_request_and_exits_zero(server_process) 
     assert re.search(r"gc: \d+ startup objects frozen, young threshold 5000", log)
 
 
+def test_a_stop_whose_grace_runs_out_says_so_and_fails_what_is_left_unavailable(server_process) -> None:
+    # No grace at all, and a request held in the queue (its batch waits a minute for company).
+    server = ServerProcess(
+        *("--embed-dim", "32", "--num-heads", "4", "--device", "cpu"),
+        *("--max-queue-delay-ms", "60000", "--grace-s", "0"),
+    )
+    server_process.append(server)
+    with Client(server.target, timeout_s=60, retries=False) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(c.attend, np.ones((5, 32), np.float32))
+        deadline = time.monotonic() + 60
+        while server.sample("attnserve_queue_depth", model="default") < 1:
+            assert time.monotonic() < deadline, "the request never queued"
+            concurrent.futures.wait([held], timeout=0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(AttnServeError) as err:
+            held.result(timeout=60)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+    assert server.proc.wait(timeout=30) == 0
+    log = server.proc.stderr.read()
+    assert "shutdown grace of 0.0s ran out before every accepted request was answered" in log, log[-2000:]
+    assert re.search(r"stopped in \d+\.\ds, NOT every accepted request answered; exit 0", log), log[-2000:]
+
+
 def test_sigterm_under_load_answers_every_call_ok_or_unavailable_never_cancelled(server_process) -> None:
     # 16 clients keep the server busy; SIGTERM lands mid-stream. gRPC's own stop cancels calls it has
     # accepted but not yet handed over (CANCELLED, which no client retries): the server must answer

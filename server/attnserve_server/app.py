@@ -207,9 +207,10 @@ class AttnServer:
         for result in results:
             if result is False:
                 log.warning("shutdown grace of %.1fs ran out before every accepted request was answered", grace)
+                drained = False
             elif isinstance(result, BaseException):
                 log.error("error during shutdown: %r", result)
-            drained = drained and result is not False and not isinstance(result, BaseException)
+                drained = False
         if self._health_server is not None:  # last: probes see NOT_SERVING for the whole drain
             await self._health_server.stop(0)
         if self.layout is not None:

@@ -572,7 +572,8 @@ class Batcher(Generic[T, R]):
                 await self._changed.wait()
 
         try:
-            await asyncio.wait_for(settled(), timeout_s)
+            if busy():  # (a zero timeout would report a drain with nothing left as run out)
+                await asyncio.wait_for(settled(), timeout_s)
             return True
         except TimeoutError:
             return False
