@@ -135,6 +135,45 @@ def test_pipelining_takes_half_the_requests_in_play_so_two_groups_alternate() ->
     run(main())
 
 
+@pytest.mark.parametrize(
+    ("work", "expected"),
+    [
+        # 10 a request, bound 25: the third reaches it; the fourth sequence is the floor, so four.
+        (10, [["block"], ["a", "b", "c", "d"], ["e", "f", "g", "h"], ["i", "j"]]),
+        # 1 a request never reaches it: the pipelining cap alone (half of those in play).
+        (1, [["block"], ["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]]),
+    ],
+)
+def test_pipelining_closes_a_batch_of_enough_work_once_it_holds_four_sequences(
+    work: int, expected: list[list[str]]
+) -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(pipeline=True, pipeline_work=25, max_batch_size=64))
+        blocker, threads = await occupy(b, runner)
+        rest = [submit(b, x, work=work) for x in "abcdefghij"]
+        await until(lambda: b.depth == 10)
+        runner.gate.set()
+        await asyncio.gather(blocker, *rest)
+        assert runner.batches == expected
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_the_pipeline_work_bound_leaves_a_model_with_a_delay_alone() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        runner.gate.set()
+        b = Batcher(limits(pipeline=True, pipeline_work=1, max_batch_size=6, max_queue_delay_s=30.0))
+        threads = start(b, runner)
+        await asyncio.gather(*[submit(b, x, work=5) for x in "abcdef"])
+        assert runner.batches == [list("abcdef")]
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_pipelining_leaves_the_batches_of_a_model_with_a_delay_whole() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -155,3 +155,15 @@ def test_lingering_reaches_the_batcher_in_its_own_units() -> None:
     assert (limits.linger_work, limits.max_linger_s) == (5_000_000, 0.0025)
     off = limits_from_settings(load_settings(env={"ATTNSERVE_LINGER_MACS": "0"}).models[0])
     assert off.linger_work == 0
+
+
+def test_the_pipeline_work_bound_reaches_cpu_batchers_only() -> None:
+    from attnserve_server.model import limits_from_settings
+    from attnserve_server.settings import PIPELINE_MACS
+
+    assert limits_from_settings(load_settings(env={}).models[0]).pipeline_work == PIPELINE_MACS == 0  # off
+    on = load_settings(env={"ATTNSERVE_PIPELINE_MACS": "7"}).models[0]
+    assert limits_from_settings(on).pipeline_work == 7
+    assert limits_from_settings(on, cpu=False).pipeline_work == 0  # a GPU wants its batches whole
+    with pytest.raises(ConfigError, match=r"batching.pipeline_macs: expected >= 0, got -1"):
+        load_settings(env={}, flags={"pipeline_macs": -1})

@@ -20,6 +20,13 @@ concurrency 4 and 8 and the same at 1; at 32 the pairs gained 9-26%, which one s
 not confirm (BENCHMARKS.md, eleventh pass). A model with a max_queue_delay asked for full batches:
 it gets no cap.
 
+With pipelining a batch of several may also close once it holds `pipeline_work` (multiply-adds, on
+the CPU) and at least PIPELINE_MIN_SEQUENCES sequences: past a few hundred million multiply-adds a
+larger CPU batch computes no faster per request, and the two groups only grow coarser. L=256 at
+concurrency 32 took batches of ~16 requests (1.6 G multiply-adds); with a bound of 400 M (4 a batch)
+it served 1.12x more in pairs, and W1 the same, but WL 0.93-0.98x, so it is off by default
+(BENCHMARKS.md, thirty-first pass).
+
 Lingering (`BatchLimits.linger_work`, `max_linger_s`): a free runner takes what is queued at once,
 which under load is the right call for requests whose compute dwarfs a batch's fixed cost (W1), and
 the wrong one for small requests. When the event loop is the bottleneck (L=16 at concurrency 64 on
@@ -84,12 +91,19 @@ class BatchLimits:
     # while requests keep arriving as batches compute. 0 (either): never.
     linger_work: int = 0
     max_linger_s: float = 0.0
+    # With `pipeline`, a batch of several closes once it holds this much work (the items' `work`) and at
+    # least PIPELINE_MIN_SEQUENCES sequences (module docstring). 0: no such bound.
+    pipeline_work: int = 0
 
 
 # A call the caller cancels this close to its deadline is counted as expired, not cancelled: the
 # caller's deadline is ours less the time its request took to arrive, and a client gives up at its
 # own (its cancellation then reaches us a moment before our deadline).
 DEADLINE_SLACK_S = 0.01
+# The fewest sequences a batch holds before `pipeline_work` may close it: WL (1.2 G multiply-adds a
+# request) served 0.78x with one request a batch, and computes ~12% slower a request alone than in
+# batches of 2-8 (BENCHMARKS.md, thirty-first pass).
+PIPELINE_MIN_SEQUENCES = 4
 
 
 def refusal(limits: BatchLimits, depth: int, queued_bytes: int, closing: bool) -> tuple[str, ServingError] | None:
@@ -447,8 +461,10 @@ class Batcher(Generic[T, R]):
         count = sequences = longest = memory = work = 0
         queue = self._groups.get(group, ())
         cap = len(queue)
+        most_work = 0
         if pipeline and limits.pipeline and limits.max_queue_delay_s <= 0:  # a delay asks for full batches: no cap
             cap = max(1, (self._last_taken + len(queue)) // 2)
+            most_work = limits.pipeline_work
         for entry in queue:
             if count >= cap:
                 return count, True, work
@@ -461,6 +477,8 @@ class Batcher(Generic[T, R]):
             count, sequences, longest, memory = count + 1, total, max(longest, entry.length), more
             work += entry.work
             if sequences >= limits.max_batch_size or tokens >= limits.max_batch_tokens:
+                return count, True, work
+            if most_work and work >= most_work and sequences >= PIPELINE_MIN_SEQUENCES:
                 return count, True, work
         return count, False, work
 

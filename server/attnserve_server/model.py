@@ -60,7 +60,9 @@ def spec_from_settings(
     )
 
 
-def limits_from_settings(settings: ModelSettings) -> BatchLimits:
+def limits_from_settings(settings: ModelSettings, cpu: bool = True) -> BatchLimits:
+    """The batcher's limits; `cpu`: every worker computes on the CPU (pipeline_macs bounds only CPU
+    batches: a GPU computes a large batch in about the time of a small one)."""
     b = settings.batching
     return BatchLimits(
         b.max_batch_size,
@@ -72,6 +74,7 @@ def limits_from_settings(settings: ModelSettings) -> BatchLimits:
         pipeline=b.pipeline,
         linger_work=b.linger_macs,
         max_linger_s=b.max_linger_ms / 1e3,
+        pipeline_work=b.pipeline_macs if cpu else 0,
     )
 
 
@@ -109,7 +112,7 @@ class ServedModel:
         self._threads = threads
         self._workers: list[DeviceWorker] = []
         self._batcher: Batcher[AttentionRequest, Answer] | None = None
-        self.limits = limits_from_settings(settings)
+        self.limits = limits_from_settings(settings, cpu=all(d.type == "cpu" for d in self._devices))
 
     async def load(self) -> None:
         """Loads weights, builds one worker per device and warms each up, off the event loop.

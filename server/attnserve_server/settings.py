@@ -30,6 +30,10 @@ WEIGHT_FORMATS = ("random", "torch", "bert")
 # Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third pass, how they were chosen).
 LINGER_MACS = 16_000_000
 MAX_LINGER_MS = 1.0
+# With pipelining, a CPU batch of several may close at this many multiply-adds once it holds 4
+# sequences (batching.py). Off by default: 400 M served L=256 at concurrency 32 1.12x more, W1 the
+# same and WL 0.93-0.98x (BENCHMARKS.md, thirty-first pass).
+PIPELINE_MACS = 0
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -47,6 +51,9 @@ class BatchingSettings:
     # A batch takes at most half the requests in play, so the loop answers one half while the worker
     # computes the other (batching.py).
     pipeline: bool = True
+    # With pipelining, a CPU batch of several closes once it holds this many multiply-adds and at least
+    # 4 sequences (batching.py); 0: off (the default). CUDA workers: always off.
+    pipeline_macs: int = PIPELINE_MACS
     # Under load a batch of fewer multiply-adds than this waits up to max_linger_ms after its first
     # request for more (batching.py: lingering); 0 turns it off.
     linger_macs: int = LINGER_MACS
@@ -255,6 +262,15 @@ OPTIONS: tuple[Option, ...] = (
         bool,
         "true: a batch takes at most half the requests in play (those the last batch answered plus those"
         " waiting), so answering one half overlaps computing the other; false: all that fit (default true)",
+    ),
+    Option(
+        "pipeline-macs",
+        "batching",
+        int,
+        "with --pipeline, a CPU batch of several requests also closes once it holds this many"
+        " multiply-adds and at least 4 sequences (400000000 served L=256 at concurrency 32 1.12x more"
+        " on 2 cores, WL 0.93-0.98x); 0: off; never on CUDA"
+        f" (default {PIPELINE_MACS})",
     ),
     Option(
         "linger-macs",
@@ -522,6 +538,7 @@ def validate(settings: ServerSettings) -> None:
         _check(b.max_queue_size > 0, f"{at}.batching.max_queue_size: expected > 0, got {b.max_queue_size}")
         _check(b.max_queue_delay_ms >= 0, f"{at}.batching.max_queue_delay_ms: expected >= 0")
         _check(b.linger_macs >= 0, f"{at}.batching.linger_macs: expected >= 0, got {b.linger_macs}")
+        _check(b.pipeline_macs >= 0, f"{at}.batching.pipeline_macs: expected >= 0, got {b.pipeline_macs}")
         _check(b.max_linger_ms >= 0, f"{at}.batching.max_linger_ms: expected >= 0, got {b.max_linger_ms}")
         _check(b.max_queue_bytes > 0, f"{at}.batching.max_queue_bytes: expected > 0, got {b.max_queue_bytes}")
         _check(
