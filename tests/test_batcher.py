@@ -161,28 +161,16 @@ def test_pipelining_closes_a_batch_of_enough_work_once_it_holds_four_sequences(
     run(main())
 
 
-def test_the_pipeline_work_bound_leaves_a_model_with_a_delay_alone() -> None:
-    async def main() -> None:
-        runner = FakeRunner()
-        runner.gate.set()
-        b = Batcher(limits(pipeline=True, pipeline_work=1, max_batch_size=6, max_queue_delay_s=30.0))
-        threads = start(b, runner)
-        await asyncio.gather(*[submit(b, x, work=5) for x in "abcdef"])
-        assert runner.batches == [list("abcdef")]
-        await stop(b, threads)
-
-    run(main())
-
-
 def test_pipelining_leaves_the_batches_of_a_model_with_a_delay_whole() -> None:
     async def main() -> None:
         runner = FakeRunner()
         runner.gate.set()
-        # a delay asks for full batches: the two close one batch at max_batch_size, not half of it
-        b = Batcher(limits(pipeline=True, max_batch_size=2, max_queue_delay_s=30.0))
+        # A delay asks for full batches: six close one batch at max_batch_size, not half of them (the
+        # pipelining cap), nor four (the work bound, reached at the floor of four sequences).
+        b = Batcher(limits(pipeline=True, pipeline_work=1, max_batch_size=6, max_queue_delay_s=30.0))
         threads = start(b, runner)
-        await asyncio.gather(*[submit(b, x) for x in "ab"])
-        assert runner.batches == [["a", "b"]]
+        await asyncio.gather(*[submit(b, x, work=5) for x in "abcdef"])
+        assert runner.batches == [list("abcdef")]
         await stop(b, threads)
 
     run(main())
