@@ -309,6 +309,30 @@ def test_async_stream(default_server: Running) -> None:
     check_stream(asyncio.run(main()))
 
 
+def test_async_stream_sends_from_an_async_source_as_answers_come_back(default_server: Running) -> None:
+    # A conversation: the second request is produced only after the first one's answer arrived,
+    # which a list or any blocking iterable could not do on the event loop.
+    async def main() -> list:
+        first_answered = asyncio.Event()
+
+        async def produce():
+            yield {"query": x(3, E), "request_id": "first"}
+            await first_answered.wait()
+            yield Request(query=x(5, E), causal=True)  # gets id "1": its index
+
+        seen = []
+        async with AsyncClient(default_server.target, timeout_s=30) as c:
+            async for result in c.attend_stream(produce()):
+                seen.append(result)
+                first_answered.set()
+        return seen
+
+    results = asyncio.run(main())
+    assert [r.request_id for r in results] == ["first", "1"]
+    assert results[0].output.shape == (3, E) and results[1].output.shape == (5, E)
+    assert all(r.error is None for r in results)
+
+
 def test_many_stream_requests_batch_together(default_server: Running) -> None:
     requests = [Request(query=x(2, E), request_id=str(i)) for i in range(40)]
     with Client(default_server.target, timeout_s=30) as c:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -17,12 +17,19 @@ from attnserve._channel import (
     channel_options,
     resolve_target,
 )
-from attnserve._codec import decode_model, decode_response, encode_request
+from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
 from attnserve._errors import translate_errors
 from attnserve._sync import _stream_ids
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+
+
+async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]) -> AsyncIterator[pb.AttendRequest]:
+    index = 0
+    async for spec in requests:
+        yield encode_stream_request(index, spec)
+        index += 1
 
 
 class AsyncClient:
@@ -64,9 +71,16 @@ class AsyncClient:
             return decode_response(await self._stub.Attend(msg, **self._call_args(timeout_s)))
 
     async def attend_stream(
-        self, requests: Iterable[Request | Mapping[str, Any]], *, timeout_s: float | None = None
+        self,
+        requests: Iterable[Request | Mapping[str, Any]] | AsyncIterable[Request | Mapping[str, Any]],
+        *,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[AttendResult]:
-        call = self._stub.AttendStream(_stream_ids(requests), **self._call_args(timeout_s))
+        """As `Client.attend_stream`; `requests` may also be an async iterable (an async generator
+        fed by a queue, say), read as the stream goes: each request is sent when it is produced,
+        while earlier answers are already coming back."""
+        outgoing = _async_stream_ids(requests) if isinstance(requests, AsyncIterable) else _stream_ids(requests)
+        call = self._stub.AttendStream(outgoing, **self._call_args(timeout_s))
         try:
             with translate_errors():
                 async for msg in call:

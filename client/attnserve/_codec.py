@@ -86,6 +86,15 @@ def as_request(spec: Request | Mapping[str, Any]) -> Request:
     return spec if isinstance(spec, Request) else Request(**spec)
 
 
+def encode_stream_request(index: int, spec: Request | Mapping[str, Any]) -> pb.AttendRequest:
+    """The stream's `index`-th request. Answers come back as they complete, so each needs an id to be
+    matched: one without gets its index."""
+    msg = encode_request(as_request(spec))
+    if not msg.request_id:
+        msg.request_id = str(index)
+    return msg
+
+
 def encode_request(req: Request) -> pb.AttendRequest:
     msg = pb.AttendRequest(
         model=req.model,

@@ -16,7 +16,7 @@ from attnserve._channel import (
     channel_options,
     resolve_target,
 )
-from attnserve._codec import as_request, decode_model, decode_response, encode_request
+from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
 from attnserve._errors import translate_errors
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
@@ -24,12 +24,8 @@ from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
 def _stream_ids(requests: Iterable[Request | Mapping[str, Any]]) -> Iterator[pb.AttendRequest]:
-    # Stream answers come back as they complete: every request needs an id to be matched.
     for index, spec in enumerate(requests):
-        msg = encode_request(as_request(spec))
-        if not msg.request_id:
-            msg.request_id = str(index)
-        yield msg
+        yield encode_stream_request(index, spec)
 
 
 class Client:
