@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from attnserve import AsyncClient, AttnServeError, Client, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_server.edge.dispatch import answer_concurrently
 
 from conftest import FailingWorker, Running, model, running, settings
 
@@ -333,6 +334,62 @@ def test_async_stream_sends_from_an_async_source_as_answers_come_back(default_se
     assert all(r.error is None for r in results)
 
 
+def test_a_stream_is_read_at_most_its_window_ahead_of_the_answers_sent() -> None:
+    async def main() -> None:
+        pulled = 0
+
+        async def messages():
+            nonlocal pulled
+            for i in range(10):
+                pulled += 1
+                yield i
+
+        async def answer(message: int) -> int:
+            return message
+
+        async def settle() -> None:  # every task runs as far as it can (no clock involved)
+            for _ in range(50):
+                await asyncio.sleep(0)
+
+        stream = answer_concurrently(messages(), answer, window=3)
+        answers = [await anext(stream)]  # taken, not yet sent: it still holds its place
+        await settle()
+        assert pulled == 3
+        answers.append(await anext(stream))  # the first one went out: one more may be read
+        await settle()
+        assert pulled == 4
+        answers += [a async for a in stream]
+        assert sorted(answers) == list(range(10))
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_sends_faster_than_it_is_answered_is_held_back_not_refused() -> None:
+    # The queue holds two requests and the window is two: the third request is not read (so not
+    # refused RESOURCE_EXHAUSTED) until an answer has gone out.
+    with (
+        running(held(stream_window=2)) as handle,
+        Client(handle.target, timeout_s=60) as c,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+
+        def consume() -> tuple[list, AttnServeError | None]:
+            results = []
+            try:
+                for result in c.attend_stream([Request(query=x(3, E)) for _ in range(3)]):
+                    results.append(result)
+            except AttnServeError as exc:
+                return results, exc
+            return results, None
+
+        done = pool.submit(consume)
+        handle.wait_for(lambda: handle.sample("attnserve_queue_depth", model="default") == 2)
+        handle.call(handle.server.stop(10))  # answers the two accepted, then ends the stream
+        results, error = done.result(timeout=30)
+        assert [(r.request_id, r.error) for r in results] == [("0", None), ("1", None)]
+        assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_many_stream_requests_batch_together(default_server: Running) -> None:
     requests = [Request(query=x(2, E), request_id=str(i)) for i in range(40)]
     with Client(default_server.target, timeout_s=30) as c:
@@ -344,9 +401,9 @@ def test_many_stream_requests_batch_together(default_server: Running) -> None:
 # -- waiting, deadlines, cancellation, overload ----------------------------------------------
 
 
-def held() -> object:
+def held(**fields: object) -> object:
     """A model whose batches wait a minute for company: requests stay queued until shutdown."""
-    return settings(model(embed_dim=E, num_heads=4, max_queue_delay_ms=60_000, max_queue_size=2))
+    return settings(model(embed_dim=E, num_heads=4, max_queue_delay_ms=60_000, max_queue_size=2), **fields)
 
 
 def test_a_request_whose_deadline_passes_in_the_queue_is_not_computed() -> None:

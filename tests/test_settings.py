@@ -83,6 +83,7 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_IDLE_SPIN_MS": "nan"}, "idle_spin_ms: expected >= 0, got nan"),
         ({"ATTNSERVE_LINGER_MACS": "-1"}, "batching.linger_macs: expected >= 0, got -1"),
         ({"ATTNSERVE_MAX_LINGER_MS": "nan"}, "batching.max_linger_ms: expected >= 0, got nan"),
+        ({"ATTNSERVE_STREAM_WINDOW": "0"}, "stream_window: expected >= 1, got 0"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:

@@ -91,6 +91,11 @@ class ModelSettings:
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
 
+# Requests one stream may have read and not yet answered and sent (edge/dispatch.py): two default
+# batches (64 sequences), so that one stream alone still fills them back to back.
+STREAM_WINDOW = 128
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "0.0.0.0"
@@ -105,6 +110,8 @@ class ServerSettings:
     metrics_tls_client_ca: str | None = None  # scrapers must present a certificate it signed
     grace_s: float = 10.0
     max_message_bytes: int = 256 * 1024 * 1024
+    # A stream is not read further while this many of its requests await their answers' sending.
+    stream_window: int = STREAM_WINDOW
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
     # A larger CPU batch of several requests, or a lone request over ALONE_FLOOR_MACS, runs on every
@@ -166,6 +173,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics-tls-client-ca", "server", str, "PEM CA that scrapers' client certificates must chain to"),
     Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
+    Option(
+        "stream-window",
+        "server",
+        int,
+        "requests one stream may have read and not yet answered and sent; past it the server reads no more of"
+        " that stream until an answer goes out, and HTTP/2 flow control holds the client's sends"
+        f" (default {STREAM_WINDOW})",
+    ),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
     Option(
         "small-batch-macs",
@@ -491,6 +506,7 @@ def validate(settings: ServerSettings) -> None:
         f"idle_spin_ms: expected >= 0, got {settings.idle_spin_ms}",
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(settings.stream_window >= 1, f"stream_window: expected >= 1, got {settings.stream_window}")
     _check(
         settings.event_loop in EVENT_LOOPS,
         f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",

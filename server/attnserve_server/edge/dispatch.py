@@ -23,7 +23,7 @@ from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
 from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.security import check_model_allowed
-from attnserve_server.settings import ModelSettings
+from attnserve_server.settings import STREAM_WINDOW, ModelSettings
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,15 @@ class Dispatcher:
     """An empty model name means the first configured model."""
 
     def __init__(
-        self, models: Mapping[str, Servable], unknown_model_metrics: ModelMetrics, tracing: Tracing | None = None
+        self,
+        models: Mapping[str, Servable],
+        unknown_model_metrics: ModelMetrics,
+        tracing: Tracing | None = None,
+        stream_window: int = STREAM_WINDOW,
     ) -> None:
         self.models = models
         self.tracing = tracing
+        self.stream_window = stream_window
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, once it handles a call
@@ -145,7 +150,7 @@ class Dispatcher:
         every request read has its answer, the stream ends UNAVAILABLE, which tells its client to
         open it again elsewhere."""
         try:
-            async for response in answer_concurrently(messages, answer, self.closing):
+            async for response in answer_concurrently(messages, answer, self.closing, self.stream_window):
                 yield response
         except ShuttingDown as exc:
             await context.abort(*caller_status(exc, "stream"))
@@ -204,17 +209,23 @@ class Dispatcher:
 
 
 async def answer_concurrently(
-    messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]], closing: asyncio.Event | None = None
+    messages: AsyncIterator[M],
+    answer: Callable[[M], Awaitable[R]],
+    closing: asyncio.Event | None = None,
+    window: int = STREAM_WINDOW,
 ) -> AsyncIterator[R]:
     """A stream's requests run concurrently (and batch together); answers go out as they finish.
 
-    `answer` must not raise for a request's own failure (streams answer those in band). Once
-    `closing` is set (the server is stopping), the stream ends with ShuttingDown as soon as every
-    request read so far has its answer: a client that keeps its stream open cannot hold a stopping
-    server for its whole grace.
+    At most `window` requests are read and not yet answered and sent: past that the stream is not
+    read until an answer has gone out, so HTTP/2 flow control holds a client that sends faster than
+    it reads, instead of the server holding its answers without bound. `answer` must not raise
+    for a request's own failure (streams answer those in band). Once `closing` is set (the server
+    is stopping), the stream ends with ShuttingDown as soon as every request read so far has its
+    answer: a client that keeps its stream open cannot hold a stopping server for its whole grace.
     """
     answers: asyncio.Queue = asyncio.Queue()
     unanswered = 0  # requests read and not yet answered
+    slots = asyncio.Semaphore(window)  # one per request read and not yet answered and sent
 
     async def one(msg: M) -> None:
         answers.put_nowait(await answer(msg))
@@ -223,7 +234,12 @@ async def answer_concurrently(
         nonlocal unanswered
         try:
             async with asyncio.TaskGroup() as group:
-                async for msg in messages:
+                while True:
+                    await slots.acquire()
+                    try:
+                        msg = await anext(messages)
+                    except StopAsyncIteration:
+                        break
                     unanswered += 1
                     group.create_task(one(msg))
         finally:
@@ -247,7 +263,8 @@ async def answer_concurrently(
                 closed = True
                 continue
             unanswered -= 1
-            yield item
+            yield item  # resumed once gRPC has taken the answer
+            slots.release()
         await reader
     finally:
         reader.cancel()

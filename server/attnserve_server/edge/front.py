@@ -93,7 +93,7 @@ class GrpcFront:
                 ("grpc.so_reuseport", 1 if share_port else 0),
             ]
         )
-        self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing)
+        self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
