@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import queue
 import threading
 
+import grpc
 import numpy as np
 import pytest
 
 from attnserve import AsyncClient, Client
 from attnserve._channel import resolve_target
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 from conftest import Running, model, running, settings
 
@@ -90,3 +95,37 @@ def test_the_async_client_balances_too() -> None:
 
         asyncio.run(main())
         assert served(a) + served(b) == 40 and served(a) > 0 and served(b) > 0
+
+
+def test_connections_age_out_and_calls_and_a_stream_carry_on() -> None:
+    # --max-connection-age-s: the server ends each connection (GOAWAY) after about this long, so that
+    # clients reconnect, through a Service or a fresh DNS lookup, and reach replicas added since.
+    # Calls in progress finish, and a stream opened before keeps its connection until it ends.
+    x = np.zeros((4, E), np.float32).tobytes()
+
+    def request(request_id: str) -> pb.AttendRequest:
+        return pb.AttendRequest(request_id=request_id, query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4, E], data=x))
+
+    with (
+        running(settings(model(embed_dim=E, num_heads=2), max_connection_age_s=0.3)) as handle,
+        grpc.insecure_channel(handle.target) as channel,
+    ):
+        states: list[grpc.ChannelConnectivity] = []
+        channel.subscribe(states.append, try_to_connect=True)
+        stub = pb_grpc.AttentionServiceStub(channel)
+        outgoing: queue.Queue = queue.Queue()
+        stream = stub.AttendStream(iter(outgoing.get, None), timeout=60)
+        outgoing.put(request("before"))
+        assert next(stream).request_id == "before"
+
+        def aged() -> bool:
+            assert stub.Attend(request("unary"), timeout=10).request_id == "unary"  # no call fails meanwhile
+            ready, idle = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE
+            return any(a == ready and b == idle for a, b in itertools.pairwise(states))  # a GOAWAY came
+
+        handle.wait_for(aged)
+        assert stub.Attend(request("reconnected"), timeout=10).request_id == "reconnected"
+        outgoing.put(request("after"))
+        assert next(stream).request_id == "after"
+        outgoing.put(None)
+        assert list(stream) == []

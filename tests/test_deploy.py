@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from attnserve_server.settings import load_settings
+
 from conftest import Running
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -61,6 +63,15 @@ def test_rules_use_exported_metrics_and_alerts_use_recorded_series(default_serve
         assert used <= known | recorded, (rule.get("record") or rule.get("alert"), sorted(used - known - recorded))
     alerts = {rule["alert"] for rule in rules() if "alert" in rule}
     assert {"AttnServeDown", "AttnServeHighErrorRatio", "AttnServeHighLatencyP99", "AttnServeQueueSaturated"} <= alerts
+
+
+def test_the_charts_configs_are_valid_settings(tmp_path: Path) -> None:
+    chart = DEPLOY / "helm" / "attnserve"
+    for values in ("values.yaml", "values-gpu.yaml"):
+        config = tmp_path / f"{values}.config.yaml"
+        config.write_text(yaml.safe_dump(yaml.safe_load((chart / values).read_text())["config"]))
+        loaded = load_settings(env={"ATTNSERVE_CONFIG": str(config)})
+        assert loaded.max_connection_age_s == 120 and loaded.models[0].name == "default", values
 
 
 def test_the_autoscaler_metrics_are_exported(default_server: Running) -> None:

@@ -84,6 +84,7 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_LINGER_MACS": "-1"}, "batching.linger_macs: expected >= 0, got -1"),
         ({"ATTNSERVE_MAX_LINGER_MS": "nan"}, "batching.max_linger_ms: expected >= 0, got nan"),
         ({"ATTNSERVE_STREAM_WINDOW": "0"}, "stream_window: expected >= 1, got 0"),
+        ({"ATTNSERVE_MAX_CONNECTION_AGE_S": "-1"}, "max_connection_age_s: expected >= 0, got -1.0"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:

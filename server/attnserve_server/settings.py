@@ -112,6 +112,9 @@ class ServerSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
+    # Each client connection is closed after about this long (gRPC's GOAWAY; calls in progress finish),
+    # so that clients reconnect and reach pods added since; 0: never.
+    max_connection_age_s: float = 0.0
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
     # A larger CPU batch of several requests, or a lone request over ALONE_FLOOR_MACS, runs on every
@@ -180,6 +183,14 @@ OPTIONS: tuple[Option, ...] = (
         "requests one stream may have read and not yet answered and sent; past it the server reads no more of"
         " that stream until an answer goes out, and HTTP/2 flow control holds the client's sends"
         f" (default {STREAM_WINDOW})",
+    ),
+    Option(
+        "max-connection-age-s",
+        "server",
+        float,
+        "close each client connection after about this many seconds (gRPC's GOAWAY, +-10%%; calls in progress,"
+        " streams included, finish on it), so that clients reconnect and spread over replicas added since; 0:"
+        " never (default 0)",
     ),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
     Option(
@@ -507,6 +518,10 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(settings.stream_window >= 1, f"stream_window: expected >= 1, got {settings.stream_window}")
+    _check(
+        math.isfinite(settings.max_connection_age_s) and settings.max_connection_age_s >= 0,
+        f"max_connection_age_s: expected >= 0, got {settings.max_connection_age_s}",
+    )
     _check(
         settings.event_loop in EVENT_LOOPS,
         f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",

@@ -81,18 +81,21 @@ class GrpcFront:
         self._port = s.port if port is None else port
         self._tls: ReloadingTLS | None = None
         self.port: int | None = None
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", s.max_message_bytes),
-                ("grpc.max_receive_message_length", s.max_message_bytes),
-                # Large requests arrive without waiting on 64 KiB flow-control windows.
-                ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
-                # gRPC shares a port with any process by default: a second server on a taken port
-                # would start and silently take part of the traffic. Off, it fails to bind; on only
-                # for the edge processes of one server, on the port their engine reserved.
-                ("grpc.so_reuseport", 1 if share_port else 0),
-            ]
-        )
+        options: list[tuple[str, int]] = [
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            # Large requests arrive without waiting on 64 KiB flow-control windows.
+            ("grpc.http2.lookahead_bytes", min(s.max_message_bytes, STREAM_LOOKAHEAD_BYTES)),
+            # gRPC shares a port with any process by default: a second server on a taken port
+            # would start and silently take part of the traffic. Off, it fails to bind; on only
+            # for the edge processes of one server, on the port their engine reserved.
+            ("grpc.so_reuseport", 1 if share_port else 0),
+        ]
+        if s.max_connection_age_s > 0:
+            # A GOAWAY after the age (gRPC adds +-10% jitter); the grace stays gRPC's default, unlimited,
+            # so calls in progress and open streams finish on the old connection.
+            options.append(("grpc.max_connection_age_ms", round(s.max_connection_age_s * 1000)))
+        self.server = grpc.aio.server(options=options)
         self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
