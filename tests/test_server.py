@@ -366,7 +366,9 @@ def test_a_stream_is_read_at_most_its_window_ahead_of_the_answers_sent() -> None
 
 def test_a_stream_that_sends_faster_than_it_is_answered_is_held_back_not_refused() -> None:
     # The queue holds two requests and the window is two: the third request is not read (so not
-    # refused RESOURCE_EXHAUSTED) until an answer has gone out.
+    # refused RESOURCE_EXHAUSTED) until an answer has gone out. Here that happens only as the server
+    # stops, so the third one is either not read at all or read once the first answer went out, and
+    # answered UNAVAILABLE in band: the server is stopping.
     with (
         running(held(stream_window=2)) as handle,
         Client(handle.target, timeout_s=60) as c,
@@ -386,8 +388,11 @@ def test_a_stream_that_sends_faster_than_it_is_answered_is_held_back_not_refused
         handle.wait_for(lambda: handle.sample("attnserve_queue_depth", model="default") == 2)
         handle.call(handle.server.stop(10))  # answers the two accepted, then ends the stream
         results, error = done.result(timeout=30)
-        assert [(r.request_id, r.error) for r in results] == [("0", None), ("1", None)]
-        assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE
+        answered = {r.request_id: r.error for r in results}
+        assert answered["0"] is None and answered["1"] is None
+        refused = [answered[i].code for i in answered if answered[i] is not None]
+        assert refused in ([], [grpc.StatusCode.UNAVAILABLE]), refused
+        assert error is None or error.code == grpc.StatusCode.UNAVAILABLE  # once every request read is answered
 
 
 def test_many_stream_requests_batch_together(default_server: Running) -> None:
