@@ -1,4 +1,5 @@
-"""Client-side load balancing: several addresses, round-robin, and a server that leaves mid-run."""
+"""Client-side load balancing: several addresses, round-robin, a server that leaves mid-run, and how long
+connections live: aged out by the server, kept by clients' keepalive pings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -97,15 +99,15 @@ def test_the_async_client_balances_too() -> None:
         assert served(a) + served(b) == 40 and served(a) > 0 and served(b) > 0
 
 
+def request(request_id: str) -> pb.AttendRequest:
+    x = np.zeros((4, E), np.float32).tobytes()
+    return pb.AttendRequest(request_id=request_id, query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4, E], data=x))
+
+
 def test_connections_age_out_and_calls_and_a_stream_carry_on() -> None:
     # --max-connection-age-s: the server ends each connection (GOAWAY) after about this long, so that
     # clients reconnect, through a Service or a fresh DNS lookup, and reach replicas added since.
     # Calls in progress finish, and a stream opened before keeps its connection until it ends.
-    x = np.zeros((4, E), np.float32).tobytes()
-
-    def request(request_id: str) -> pb.AttendRequest:
-        return pb.AttendRequest(request_id=request_id, query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4, E], data=x))
-
     with (
         running(settings(model(embed_dim=E, num_heads=2), max_connection_age_s=0.3)) as handle,
         grpc.insecure_channel(handle.target) as channel,
@@ -125,6 +127,31 @@ def test_connections_age_out_and_calls_and_a_stream_carry_on() -> None:
 
         handle.wait_for(aged)
         assert stub.Attend(request("reconnected"), timeout=10).request_id == "reconnected"
+        outgoing.put(request("after"))
+        assert next(stream).request_id == "after"
+        outgoing.put(None)
+        assert list(stream) == []
+
+
+def test_a_client_that_pings_keeps_its_idle_stream() -> None:
+    # Clients behind load balancers and NATs ping idle connections (keepalive). With gRPC's own floor
+    # of 5 minutes between a client's pings, the server would close such a connection after three,
+    # "too_many_pings", and the stream with it. --client-ping-min-s (here 0.5) sets that floor.
+    pings = [
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    with (
+        running(settings(model(embed_dim=E, num_heads=2), client_ping_min_s=0.5)) as handle,
+        grpc.insecure_channel(handle.target, pings) as channel,
+    ):
+        stub = pb_grpc.AttentionServiceStub(channel)
+        outgoing: queue.Queue = queue.Queue()
+        stream = stub.AttendStream(iter(outgoing.get, None), timeout=60)
+        outgoing.put(request("before"))
+        assert next(stream).request_id == "before"
+        time.sleep(4.0)  # the condition under test: the stream idles while its client pings ~4 times
         outgoing.put(request("after"))
         assert next(stream).request_id == "after"
         outgoing.put(None)

@@ -115,6 +115,12 @@ class ServerSettings:
     # Each client connection is closed after about this long (gRPC's GOAWAY; calls in progress finish),
     # so that clients reconnect and reach pods added since; 0: never.
     max_connection_age_s: float = 0.0
+    # The server pings a connection after this long without data, and closes it if no answer comes in 20 s:
+    # it finds clients that vanished, and keeps idle connections open through NATs and load balancers.
+    keepalive_s: float = 60.0
+    # Clients may ping this often. gRPC's own floor is 5 minutes: a client that pings more often (many
+    # keepalive guides say 10-30 s) has its connection closed, "too_many_pings", its streams with it.
+    client_ping_min_s: float = 10.0
     torch_threads: int | None = None
     small_batch_macs: int = SMALL_BATCH_MACS
     # A larger CPU batch of several requests, or a lone request over ALONE_FLOOR_MACS, runs on every
@@ -191,6 +197,20 @@ OPTIONS: tuple[Option, ...] = (
         "close each client connection after about this many seconds (gRPC's GOAWAY, +-10%%; calls in progress,"
         " streams included, finish on it), so that clients reconnect and spread over replicas added since; 0:"
         " never (default 0)",
+    ),
+    Option(
+        "keepalive-s",
+        "server",
+        float,
+        "ping a connection after this many seconds without data, and close it if no answer comes in 20 s;"
+        " 0: gRPC's default, 2 hours (default 60)",
+    ),
+    Option(
+        "client-ping-min-s",
+        "server",
+        float,
+        "the shortest interval between a client's keepalive pings the server accepts; a client that pings"
+        " more often has its connection closed (gRPC's own default: 300) (default 10)",
     ),
     Option("torch-threads", "server", int, "torch intra-op threads for CPU workers (default: torch's)"),
     Option(
@@ -522,6 +542,9 @@ def validate(settings: ServerSettings) -> None:
         math.isfinite(settings.max_connection_age_s) and settings.max_connection_age_s >= 0,
         f"max_connection_age_s: expected >= 0, got {settings.max_connection_age_s}",
     )
+    for name in ("keepalive_s", "client_ping_min_s"):
+        value = getattr(settings, name)
+        _check(math.isfinite(value) and value >= 0, f"{name}: expected >= 0, got {value}")
     _check(
         settings.event_loop in EVENT_LOOPS,
         f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",

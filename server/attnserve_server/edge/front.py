@@ -90,7 +90,14 @@ class GrpcFront:
             # would start and silently take part of the traffic. Off, it fails to bind; on only
             # for the edge processes of one server, on the port their engine reserved.
             ("grpc.so_reuseport", 1 if share_port else 0),
+            # Clients' keepalive pings are welcome every client_ping_min_s, with or without calls.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(s.client_ping_min_s * 1000)),
         ]
+        if s.keepalive_s > 0:
+            # The server's own pings, as long as a connection lives (gRPC stops after two without data).
+            options.append(("grpc.keepalive_time_ms", round(s.keepalive_s * 1000)))
+            options.append(("grpc.http2.max_pings_without_data", 0))
         if s.max_connection_age_s > 0:
             # A GOAWAY after the age (gRPC adds +-10% jitter); the grace stays gRPC's default, unlimited,
             # so calls in progress and open streams finish on the old connection.
