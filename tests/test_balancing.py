@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
+import socket
 import threading
 import time
 
@@ -13,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve import AsyncClient, Client
+from attnserve import AsyncClient, AttnServeError, Client
 from attnserve._channel import resolve_target
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
@@ -156,3 +157,67 @@ def test_a_client_that_pings_keeps_its_idle_stream() -> None:
         assert next(stream).request_id == "after"
         outgoing.put(None)
         assert list(stream) == []
+
+
+class FreezingProxy:
+    """A TCP proxy on 127.0.0.1 to a server's port, whose `freeze()` stops forwarding without closing
+    anything: to its clients, a server whose host vanished."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._frozen = threading.Event()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(("127.0.0.1", self._port))
+            self._sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                if self._frozen.is_set():
+                    self._closed.wait()  # hold the bytes, send nothing, close nothing
+                    return
+                sink.sendall(data)
+
+    def __enter__(self) -> FreezingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        for sock in self._sockets:
+            sock.close()
+
+
+def test_a_client_with_keepalive_ends_a_stream_to_a_server_that_vanished() -> None:
+    # Without keepalive the stream below would wait for its deadline (or forever, without one).
+    with (
+        running(settings(model(embed_dim=E, num_heads=2), client_ping_min_s=0.1)) as handle,
+        FreezingProxy(handle.server.port) as proxy,
+        Client(proxy.target, keepalive_s=0.5, timeout_s=20) as client,
+    ):
+        outgoing: queue.Queue = queue.Queue()
+        answers = client.attend_stream(iter(outgoing.get, None))
+        x = np.zeros((4, E), np.float32)
+        outgoing.put({"query": x, "request_id": "before"})
+        assert next(answers).request_id == "before"
+        proxy.freeze()
+        outgoing.put({"query": x, "request_id": "unanswered"})
+        with pytest.raises(AttnServeError) as err:
+            next(answers)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE  # a keepalive ping went unanswered, not the deadline
+        outgoing.put(None)

@@ -50,8 +50,9 @@ class AsyncClient:
         key: str | None = None,
         token: str | None = None,
         trace: bool = False,
+        keepalive_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes, retries)
+        options = channel_options(max_message_bytes, retries, keepalive_s)
         credentials = channel_credentials(tls, ca, cert, key, credentials)
         target = resolve_target(target)
         self._channel = (

@@ -72,9 +72,14 @@ def resolve_target(target: str | Sequence[str]) -> str:
     return "ipv4:" + ",".join(v4) if v4 else "ipv6:" + ",".join(v6)
 
 
-def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, object]]:
+def channel_options(
+    max_message_bytes: int, retries: bool, keepalive_s: float | None = None
+) -> list[tuple[str, object]]:
     """gRPC channel options: message limits, round-robin over every address the target resolves to,
-    and, when enabled, UNAVAILABLE (and a server's CANCELLED) retried by gRPC itself (on the next address)."""
+    and, when enabled, UNAVAILABLE (and a server's CANCELLED) retried by gRPC itself (on the next
+    address); with `keepalive_s`, keepalive pings while calls are in flight (see Client)."""
+    if keepalive_s is not None and not keepalive_s > 0:
+        raise ValueError(f"keepalive_s: expected a number of seconds > 0, got {keepalive_s!r}")
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -84,6 +89,16 @@ def channel_options(max_message_bytes: int, retries: bool) -> list[tuple[str, ob
         # of a process, and a server with edge processes spreads load by connection.
         ("grpc.use_local_subchannel_pool", 1),
     ]
+    if keepalive_s is not None:
+        # A ping after keepalive_s without data while a call is open; one unanswered for keepalive_s
+        # closes the connection, failing its calls UNAVAILABLE. No pings while no call is open.
+        ms = max(1, round(keepalive_s * 1000))
+        options += [
+            ("grpc.keepalive_time_ms", ms),
+            ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),  # any ping: a keepalive waits on one already in flight
+            ("grpc.http2.max_pings_without_data", 0),  # gRPC's default stops after two on an idle stream
+        ]
     config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     if retries:
         config["methodConfig"] = [

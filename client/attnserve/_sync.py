@@ -41,6 +41,10 @@ class Client:
     client certificate, for mTLS), or any `grpc.ChannelCredentials` as `credentials`. `token` is
     sent as `authorization: Bearer <token>` with every call. `trace=True` sends the current
     OpenTelemetry context (`traceparent`), so the server's spans continue the caller's trace.
+    `keepalive_s` (None: off) pings the server after that many seconds without data while a call is
+    open, and fails the connection's calls UNAVAILABLE if a ping goes unanswered as long: a stream
+    or a call without a deadline to a server whose host vanished ends instead of waiting forever.
+    attnserve accepts pings every 10 s or more (the server's `--client-ping-min-s`).
     """
 
     def __init__(
@@ -58,8 +62,9 @@ class Client:
         key: str | None = None,
         token: str | None = None,
         trace: bool = False,
+        keepalive_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes, retries)
+        options = channel_options(max_message_bytes, retries, keepalive_s)
         credentials = channel_credentials(tls, ca, cert, key, credentials)
         target = resolve_target(target)
         self._channel = (
