@@ -73,7 +73,7 @@ def test_without_retries_unavailable_reaches_the_caller(flaky) -> None:
     assert servicer.attempts["r2"] == 1
 
 
-@pytest.mark.parametrize("keepalive_s", [0, -1.0, float("nan")])
+@pytest.mark.parametrize("keepalive_s", [0, -1.0, float("nan"), float("inf")])
 def test_keepalive_must_be_a_positive_number_of_seconds(keepalive_s: float) -> None:
     with pytest.raises(ValueError, match="keepalive_s: expected a number of seconds > 0"):
         Client("127.0.0.1:1", keepalive_s=keepalive_s)

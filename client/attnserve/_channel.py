@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import socket
 from collections.abc import Sequence
 
@@ -78,7 +79,7 @@ def channel_options(
     """gRPC channel options: message limits, round-robin over every address the target resolves to,
     and, when enabled, UNAVAILABLE (and a server's CANCELLED) retried by gRPC itself (on the next
     address); with `keepalive_s`, keepalive pings while calls are in flight (see Client)."""
-    if keepalive_s is not None and not keepalive_s > 0:
+    if keepalive_s is not None and not (math.isfinite(keepalive_s) and keepalive_s > 0):
         raise ValueError(f"keepalive_s: expected a number of seconds > 0, got {keepalive_s!r}")
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", max_message_bytes),
