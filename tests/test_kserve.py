@@ -114,8 +114,8 @@ def test_every_message_and_field_matches_tritons_numbering() -> None:
 
 def test_an_unimplemented_triton_method_is_unimplemented(server: Running) -> None:
     with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as err:
-        triton_grpc.GRPCInferenceServiceStub(channel).SystemSharedMemoryStatus(
-            triton.SystemSharedMemoryStatusRequest(), timeout=10
+        triton_grpc.GRPCInferenceServiceStub(channel).CudaSharedMemoryStatus(
+            triton.CudaSharedMemoryStatusRequest(), timeout=10
         )
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 

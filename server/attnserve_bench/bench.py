@@ -63,6 +63,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also draw throughput against p50 and p99 latency, one line per server, to this image file "
         "(needs matplotlib: pip install 'attnserve[plot]')",
     )
+    p.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="send over the KServe v2 API with every tensor in Triton's system shared memory: each client process "
+        "registers one region for its inputs and its slots' outputs, and the messages carry none of their bytes "
+        "(float32 models; the server needs --allow-client-shm, which the servers bench starts get, and one edge "
+        "process)",
+    )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
     p.add_argument(
         "--floor",
@@ -123,7 +131,7 @@ READY_TIMEOUT_S = 120.0  # for the spawned client processes to import the client
 def _client_process(
     target: str,
     connection: dict[str, Any],
-    requests: list[bytes],
+    requests: list[bytes] | SharedMemoryLoad,
     concurrency: int,
     start: StartLine,
     warmup_s: float,
@@ -153,15 +161,33 @@ def _client_process(
             else grpc.aio.insecure_channel(target, options)
         )
         async with channel:
-            attend = channel.unary_unary(
-                "/attnserve.v1.AttentionService/Attend",
-                request_serializer=None,  # already bytes
-                response_deserializer=pb.AttendResponse.FromString,
-            )
+            per_slot: list[list[bytes]] = []
+            if isinstance(requests, SharedMemoryLoad):
+                from attnserve_server.protocol import open_inference_pb2 as v2
 
-            async def send(request: bytes) -> int:
-                reply = await attend(request, timeout=30, wait_for_ready=True, metadata=metadata)
-                return reply.timing.batch_size
+                infer = channel.unary_unary(
+                    "/inference.GRPCInferenceService/ModelInfer",
+                    request_serializer=None,
+                    response_deserializer=v2.ModelInferResponse.FromString,
+                )
+
+                async def send(request: bytes) -> int:
+                    reply = await infer(request, timeout=30, wait_for_ready=True, metadata=metadata)
+                    return reply.parameters["batch_size"].int64_param
+
+                per_slot = await requests.register(channel, metadata, concurrency)
+            else:
+                attend = channel.unary_unary(
+                    "/attnserve.v1.AttentionService/Attend",
+                    request_serializer=None,  # already bytes
+                    response_deserializer=pb.AttendResponse.FromString,
+                )
+
+                async def send(request: bytes) -> int:
+                    reply = await attend(request, timeout=30, wait_for_ready=True, metadata=metadata)
+                    return reply.timing.batch_size
+
+                per_slot = [requests] * concurrency  # type: ignore[list-item]
 
             def measured() -> None:
                 progress[slot] += 1
@@ -170,16 +196,103 @@ def _client_process(
             start_at = await asyncio.to_thread(start.ready_and_wait)
             window = Window(start_at + warmup_s, start_at + warmup_s + duration_s)
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            await asyncio.gather(
-                *(
-                    closed_loop(send, requests, slot * concurrency + i, window, grpc.aio.AioRpcError, measured)
-                    for i in range(concurrency)
+            try:
+                await asyncio.gather(
+                    *(
+                        closed_loop(send, per_slot[i], slot * concurrency + i, window, grpc.aio.AioRpcError, measured)
+                        for i in range(concurrency)
+                    )
                 )
-            )
+            finally:
+                if isinstance(requests, SharedMemoryLoad):
+                    await requests.unregister(channel, metadata)
             return window
 
     window = asyncio.run(main())
     results.put((window.latencies, window.batches, window.errors))
+
+
+class SharedMemoryLoad:
+    """A client process's requests with their tensors in Triton's system shared memory: one POSIX shared
+    memory object per process holds every request's inputs, then one output slot per in-flight request,
+    registered as one region; each slot's requests name its own output place, so answers in flight never
+    overwrite each other. The request messages carry names, shapes and places, and no tensor bytes."""
+
+    ALIGN = 64
+
+    def __init__(self, model: str, inputs: list[dict[str, Any]], output_bytes: list[int]) -> None:
+        self.model = model
+        self.inputs = [{k: v for k, v in one.items() if isinstance(v, np.ndarray)} for one in inputs]
+        self.output_bytes = output_bytes  # per request, in the order of `inputs`
+        self._memory: Any = None
+        self._region = ""
+
+    def _aligned(self, n: int) -> int:
+        return -(-n // self.ALIGN) * self.ALIGN
+
+    async def register(self, channel: Any, metadata: Any, slots: int) -> list[list[bytes]]:
+        """Creates and fills the object, registers its region, and returns each slot's requests."""
+        from multiprocessing import shared_memory
+
+        from attnserve_server.protocol import open_inference_pb2 as v2
+
+        placed: list[list[tuple[str, tuple[int, ...], int, int]]] = []
+        at = 0
+        for one in self.inputs:
+            tensors = []
+            for name, array in one.items():
+                tensors.append((name, array.shape, at, array.nbytes))
+                at += self._aligned(array.nbytes)
+            placed.append(tensors)
+        room = self._aligned(max(self.output_bytes))
+        outputs_at = at
+        size = outputs_at + slots * room
+        self._memory = memory = shared_memory.SharedMemory(create=True, size=size)
+        for one, tensors in zip(self.inputs, placed, strict=True):
+            for name, _, offset, nbytes in tensors:
+                memory.buf[offset : offset + nbytes] = one[name].astype("<f4", copy=False).tobytes()
+        self._region = f"bench-{os.getpid()}"
+        register = channel.unary_unary(
+            "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
+            request_serializer=v2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            response_deserializer=v2.SystemSharedMemoryRegisterResponse.FromString,
+        )
+        await register(
+            v2.SystemSharedMemoryRegisterRequest(name=self._region, key="/" + memory.name, byte_size=size),
+            timeout=30,
+            metadata=metadata,
+        )
+        per_slot = []
+        for slot in range(slots):
+            requests = []
+            for tensors, out_bytes in zip(placed, self.output_bytes, strict=True):
+                msg = v2.ModelInferRequest(model_name=self.model)
+                for name, shape, offset, nbytes in tensors:
+                    t = msg.inputs.add(name=name, datatype="FP32", shape=shape)
+                    t.parameters["shared_memory_region"].string_param = self._region
+                    t.parameters["shared_memory_offset"].int64_param = offset
+                    t.parameters["shared_memory_byte_size"].int64_param = nbytes
+                out = msg.outputs.add(name="output")
+                out.parameters["shared_memory_region"].string_param = self._region
+                out.parameters["shared_memory_offset"].int64_param = outputs_at + slot * room
+                out.parameters["shared_memory_byte_size"].int64_param = out_bytes
+                requests.append(msg.SerializeToString())
+            per_slot.append(requests)
+        return per_slot
+
+    async def unregister(self, channel: Any, metadata: Any) -> None:
+        from attnserve_server.protocol import open_inference_pb2 as v2
+
+        unregister = channel.unary_unary(
+            "/inference.GRPCInferenceService/SystemSharedMemoryUnregister",
+            request_serializer=v2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            response_deserializer=v2.SystemSharedMemoryUnregisterResponse.FromString,
+        )
+        try:
+            await unregister(v2.SystemSharedMemoryUnregisterRequest(name=self._region), timeout=30, metadata=metadata)
+        finally:
+            self._memory.close()
+            self._memory.unlink()
 
 
 class StartLine:
@@ -334,12 +447,22 @@ def _request_inputs(info: Any, args: argparse.Namespace, seq_len: int, rng: np.r
 
 
 def _run_level(
-    target: str, inputs: list[dict[str, Any]], concurrency: int, args: argparse.Namespace, label: str
+    target: str,
+    inputs: list[dict[str, Any]],
+    concurrency: int,
+    args: argparse.Namespace,
+    label: str,
+    info: Any = None,
 ) -> Row:
     from attnserve import Request
     from attnserve._codec import encode_request
 
-    requests = [encode_request(Request(**one)).SerializeToString() for one in inputs]
+    requests: list[bytes] | SharedMemoryLoad
+    if args.shared_memory and info is not None:  # (the echo floor has no KServe API: messages there)
+        output_bytes = [one["query"].shape[0] * one["query"].shape[1] * info.output_dim * 4 for one in inputs]
+        requests = SharedMemoryLoad(info.name, inputs, output_bytes)
+    else:
+        requests = [encode_request(Request(**one)).SerializeToString() for one in inputs]
     ctx = mp.get_context("spawn")  # no fork after gRPC has started threads
     procs = min(concurrency, args.processes or os.cpu_count() or 1)
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
@@ -415,6 +538,7 @@ def _start_server(args: argparse.Namespace, max_batch_size: str, edges: str) -> 
         *("--max-queue-delay-ms", str(args.max_queue_delay_ms), "--model-name", args.model or "default"),
         *("--max-queue-size", "4096", "--edge-processes", edges),
         *(("--torch-threads", str(args.torch_threads)) if args.torch_threads else ()),
+        *(("--allow-client-shm", "true") if args.shared_memory else ()),
     ]
     server = spawn_serve(*flags)
     return server.proc, server.target
@@ -580,7 +704,7 @@ def _levels(
     """One round's measurements against one server, in order: each concurrency level (under each
     perf_analyzer mode, with --perf-analyzer)."""
     if not args.perf_analyzer:
-        return [lambda level=level: _run_level(target, inputs, level, args, label) for level in levels]
+        return [lambda level=level: _run_level(target, inputs, level, args, label, info) for level in levels]
     from attnserve_bench import perf_analyzer
 
     data = perf_analyzer.input_data(inputs, info.dtype)
@@ -628,6 +752,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
     edge_counts = args.edge_processes.split(",")
+    if args.shared_memory and (args.perf_analyzer or args.dtype != "float32" or edge_counts != ["1"]):
+        print(
+            "attnserve bench: --shared-memory drives a float32 model on one edge process with the built-in client "
+            "(perf_analyzer refuses shared memory for models with optional inputs)",
+            file=sys.stderr,
+        )
+        return 2
     variants: list[tuple[str, str] | None] = (
         [None] if args.target else [(b, e) for b in args.max_batch_size.split(",") for e in edge_counts]
     )

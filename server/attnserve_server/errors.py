@@ -22,8 +22,22 @@ class InvalidArgument(ServingError):
     status = "INVALID_ARGUMENT"
 
 
-class ModelNotFound(ServingError):
+class NotFound(ServingError):
     status = "NOT_FOUND"
+
+
+class ModelNotFound(NotFound):
+    pass
+
+
+class AlreadyExists(ServingError):
+    status = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(ServingError):
+    """The call is well formed, but the server is not set up for it."""
+
+    status = "FAILED_PRECONDITION"
 
 
 class QueueFull(ServingError):

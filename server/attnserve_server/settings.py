@@ -146,6 +146,8 @@ class ServerSettings:
     # gRPC edge processes on the one port in front of the engine process (README: Edge processes);
     # 1 serves gRPC in the engine's own process.
     edge_processes: int = 1
+    # Triton's system shared memory extension for clients on this host (edge/shared_memory.py): off, as in Triton.
+    allow_client_shm: bool = False
     # float32 matrix products on CUDA in TF32 (faster, ~10 bits of mantissa): off unless asked for.
     allow_tf32: bool = False
     event_loop: str = "auto"  # auto (uvloop when installed), uvloop or asyncio: eventloop.py
@@ -252,6 +254,15 @@ OPTIONS: tuple[Option, ...] = (
         "while a server with one model on one CPU worker is quiet, the event loop, gRPC's threads and the worker"
         " share one CPU and the worker's OpenMP partners have CPUs of their own; under load every thread is free;"
         " true or false (default true)",
+    ),
+    Option(
+        "allow-client-shm",
+        "server",
+        bool,
+        "serve Triton's system shared memory extension: clients on this host register POSIX shared memory"
+        " regions and send tensors and take answers through them instead of in messages; a client that may"
+        " register one makes the server read and write a shared memory object of its naming, so only for"
+        " clients trusted as the server's user; true or false (default false)",
     ),
     Option("log-level", "server", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     Option("tls-cert", "server", str, "PEM certificate (chain) for TLS on the gRPC port (default: plaintext)"),

@@ -23,6 +23,7 @@ from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher, Servable
 from attnserve_server.edge.registration import CallsInFlight, add_service
 from attnserve_server.edge.servicer import AttentionServicer
+from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.protocol import open_inference_pb2
@@ -110,8 +111,14 @@ class GrpcFront:
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
         native = pb.DESCRIPTOR.services_by_name["AttentionService"]
         add_service(self.server, AttentionServicer(dispatcher), native, auth, self.calls)
+        # Regions clients register (--allow-client-shm), for the KServe API's tensors.
+        self.shared_memory = SharedMemoryRegistry(s.allow_client_shm)
         add_service(
-            self.server, kserve_servicer.InferenceServicer(dispatcher), kserve_servicer.SERVICE, auth, self.calls
+            self.server,
+            kserve_servicer.InferenceServicer(dispatcher, self.shared_memory),
+            kserve_servicer.SERVICE,
+            auth,
+            self.calls,
         )
         open_services = {name.strip() for name in s.auth_open.split(",")}
         health_auth = None if "health" in open_services else auth
@@ -161,3 +168,4 @@ class GrpcFront:
         await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
         await self.calls.settled(deadline - loop.time())
         await self.server.stop(min(CLOSE_GRACE_S, max(0.0, deadline - loop.time())))
+        self.shared_memory.close()

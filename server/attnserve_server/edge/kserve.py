@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve_server import dtypes
-from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, answer_bytes
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
+from attnserve_server.edge.shared_memory import Region, SharedMemoryRegistry
 from attnserve_server.edge.wire import Known, WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
@@ -56,6 +57,8 @@ class Decoded:
     outputs: tuple[str, ...]  # in the order the response carries them
     typed: bool  # the inputs came as typed contents: answer the same way
     timeout_s: float | None  # Triton's `timeout` parameter
+    # Outputs asked for in shared memory (shared_memory.py): name -> (region, offset within it).
+    placed: dict[str, tuple[Region, int]] | None = None
 
 
 def _bool_param(msg: v2.ModelInferRequest, name: str) -> bool | None:
@@ -92,17 +95,63 @@ def _check_parameters(msg: v2.ModelInferRequest) -> None:
             raise InvalidArgument(f"parameters[{clip(name)}]: not a parameter attnserve reads; it reads {known}")
 
 
-def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[str, ...]:
+# Triton's shared memory parameters of an input or a requested output (shared_memory.py).
+SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
+_SHM_PARAMS = (SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET)
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    region: str
+    offset: int
+    byte_size: int
+
+
+def _placement(where: str, what: str, params) -> _Placement | None:
+    """The shared memory parameters of an input or requested output (`what`), or None without them."""
+    for name in params:
+        if name not in _SHM_PARAMS:
+            raise InvalidArgument(
+                f"{where}.parameters[{clip(name)}]: {what} takes no such parameter; only {', '.join(_SHM_PARAMS)}"
+            )
+    if not params:
+        return None
+    if SHM_REGION not in params or SHM_BYTE_SIZE not in params:
+        raise InvalidArgument(
+            f"{where}.parameters: {what} in shared memory needs both {SHM_REGION!r} and {SHM_BYTE_SIZE!r}"
+        )
+    region = params[SHM_REGION]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidArgument(f"{where}.parameters[{SHM_REGION!r}]: expected string_param")
+
+    def number(key: str) -> int:
+        if key not in params:
+            return 0
+        kind = params[key].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param"):
+            raise InvalidArgument(f"{where}.parameters[{key!r}]: expected int64_param, got {kind or 'no value'}")
+        value = getattr(params[key], kind)
+        if value < 0:
+            raise InvalidArgument(f"{where}.parameters[{key!r}]: expected >= 0, got {value}")
+        return value
+
+    return _Placement(region.string_param, number(SHM_OFFSET), number(SHM_BYTE_SIZE))
+
+
+def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[tuple[str, ...], dict[str, tuple[str, _Placement]]]:
+    """The outputs asked for, in order, and those asked for in shared memory (name -> (field, placement))."""
     names: list[str] = []
+    placed: dict[str, tuple[str, _Placement]] = {}
     for i, out in enumerate(msg.outputs):
         if out.name not in (OUTPUT, WEIGHTS):
             raise InvalidArgument(f"outputs[{i}].name: expected {OUTPUT!r} or {WEIGHTS!r}, got {clip(out.name)}")
         if out.name in names:
             raise InvalidArgument(f"outputs[{i}].name: output {clip(out.name)} is requested twice")
-        if out.parameters:
-            raise InvalidArgument(f"outputs[{i}].parameters: output {clip(out.name)} takes no parameters")
+        placement = _placement(f"outputs[{i}]", f"output {clip(out.name)}", out.parameters)
+        if placement is not None:
+            placed[out.name] = (f"outputs[{i}].parameters", placement)
         names.append(out.name)
-    return tuple(names)
+    return tuple(names), placed
 
 
 def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes:
@@ -130,35 +179,51 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
     return np.asarray(values, dtype=dtypes.BY_NAME[datatype].storage).tobytes()
 
 
-def _wire_tensors(msg: v2.ModelInferRequest, raw: Sequence[bytes | memoryview]) -> tuple[dict[str, WireTensor], bool]:
-    if raw and len(raw) != len(msg.inputs):
+def _wire_tensors(
+    msg: v2.ModelInferRequest, raw: Sequence[bytes | memoryview], memory: SharedMemoryRegistry | None
+) -> tuple[dict[str, WireTensor], bool]:
+    placements = [_placement(f"inputs[{i}]", f"input {clip(t.name)}", t.parameters) for i, t in enumerate(msg.inputs)]
+    carried = sum(p is None for p in placements)  # inputs whose bytes the message carries
+    if raw and len(raw) != carried:
+        in_shm = len(msg.inputs) - carried
         raise InvalidArgument(
-            f"raw_input_contents: expected one entry per input ({len(msg.inputs)}), got {len(raw)}; "
+            f"raw_input_contents: expected one entry per input ({carried}"
+            f"{f', the {in_shm} in shared memory apart' if in_shm else ''}), got {len(raw)}; "
             "send every input raw, or every input as typed contents"
         )
     tensors: dict[str, WireTensor] = {}
+    next_raw = 0
     for i, tensor in enumerate(msg.inputs):
         name = tensor.name
         if name in tensors:
             raise InvalidArgument(f"inputs[{i}].name: input {clip(name)} appears twice")
-        if tensor.parameters:
-            raise InvalidArgument(f"inputs[{i}].parameters: input {clip(name)} takes no parameters")
         shape = tuple(tensor.shape)
-        if raw:
-            if tensor.HasField("contents") and tensor.contents.ListFields():
+        has_contents = tensor.HasField("contents") and bool(tensor.contents.ListFields())
+        placement = placements[i]
+        if placement is not None:
+            field = f"inputs[{i}].parameters (input {clip(name)}, shared memory region {clip(placement.region)})"
+            if has_contents:
+                raise InvalidArgument(f"inputs[{i}].contents: input {clip(name)} is in shared memory; send no contents")
+            if memory is None:
+                raise InvalidArgument(f"{field}: this server takes no shared memory")
+            region = memory.place(f"inputs[{i}].parameters", placement.region, placement.offset, placement.byte_size)
+            data: bytes | memoryview = memory.read(region, placement.offset, placement.byte_size, field)
+        elif raw:
+            if has_contents:
                 raise InvalidArgument(
                     f"inputs[{i}].contents: input {clip(name)} has typed contents while the request uses "
                     "raw_input_contents; send every input one way"
                 )
-            data: bytes | memoryview = raw[i]
-            field = f"raw_input_contents[{i}] (input {clip(name)})"
+            data = raw[next_raw]
+            field = f"raw_input_contents[{next_raw}] (input {clip(name)})"
+            next_raw += 1
         else:
             data = _typed_bytes(i, tensor)
             field = f"inputs[{i}].contents (input {clip(name)})"
         if name == "key_lengths" and len(shape) == 2 and shape[1] == 1:
             shape = shape[:1]  # [B, 1], the shape its config dims [1] give, or [B]
         tensors[name] = WireTensor(tensor.datatype, shape, data, field)
-    return tensors, bool(msg.inputs) and not raw
+    return tensors, carried > 0 and not raw
 
 
 RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
@@ -166,20 +231,26 @@ RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_c
 TENSOR_FIELDS: Fields = {RAW_INPUT_CONTENTS: None}
 
 
-def decode(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> Decoded:
+def decode(
+    received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry | None = None
+) -> Decoded:
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound).
+    Inputs in shared memory are read from `memory`'s regions, and outputs asked for there are checked
+    to fit theirs.
 
     A request whose head repeats one this model decoded before (payload.Parser) is not validated
     again (`wire.Known`): only its tensor bytes differ. Requests whose values are checked (masks,
-    lengths, typed contents) are decoded whole each time."""
+    lengths, typed contents) or that use shared memory are decoded whole each time."""
     repeat = received.repeat
     if repeat is not None:
         again = repeat.decoded
         if type(again) is _Again and again.known.spec is spec:
             return Decoded(again.known.request(received.views), again.outputs, False, again.timeout_s)
-    decoded = _decode_whole(received, spec)
+    decoded = _decode_whole(received, spec, memory)
     # Kept once the head has come twice: a head seen once (a request with its own id) costs nothing here.
-    if repeat is not None and repeat.hits and not decoded.typed:
+    # A head that names shared memory is not: its tensors are not in the message, and its regions may change.
+    uses_memory = decoded.placed is not None or any(t.parameters for t in received.message.inputs)
+    if repeat is not None and repeat.hits and not decoded.typed and not uses_memory:
         where = {tensor.name: (RAW_INPUT_CONTENTS, i) for i, tensor in enumerate(received.message.inputs)}
         known = Known.of(spec, decoded.request, where)
         if known is not None:
@@ -196,12 +267,14 @@ class _Again:
         self.known, self.outputs, self.timeout_s = known, outputs, timeout_s
 
 
-def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> Decoded:
+def _decode_whole(
+    received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry | None
+) -> Decoded:
     msg = received.message
     check_version(spec, msg.model_version)
     _check_parameters(msg)
     timeout = _timeout_s(msg)
-    outputs = _requested_outputs(msg)
+    outputs, placements = _requested_outputs(msg)
     need_weights = _bool_param(msg, "need_weights")
     if need_weights is False and WEIGHTS in outputs:
         raise InvalidArgument(f"outputs: {WEIGHTS!r} is requested but parameters['need_weights'] is false")
@@ -210,7 +283,7 @@ def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> 
     if not outputs:
         outputs = (OUTPUT, WEIGHTS) if need_weights else (OUTPUT,)
     raw = received.views.get(RAW_INPUT_CONTENTS) or msg.raw_input_contents
-    tensors, typed = _wire_tensors(msg, raw)
+    tensors, typed = _wire_tensors(msg, raw, memory)
     query = tensors.get("query")
     if query is not None and len(query.shape) != 3:
         raise InvalidArgument(
@@ -225,7 +298,33 @@ def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec) -> 
         # torch's default, and the native API's: weights are averaged over heads unless asked per head.
         average_weights=need_weights if (average := _bool_param(msg, "average_weights")) is None else average,
     )
-    return Decoded(request, outputs, typed, timeout)
+    placed = _place_outputs(spec, request, placements, memory) if placements else None
+    return Decoded(request, outputs, typed, timeout, placed)
+
+
+def _place_outputs(
+    spec: ModelSpec,
+    request: AttentionRequest,
+    placements: dict[str, tuple[str, _Placement]],
+    memory: SharedMemoryRegistry | None,
+) -> dict[str, tuple[Region, int]]:
+    """The regions outputs go to, each checked to hold its output (before any compute)."""
+    b, length, keys = request.sequences, request.query_len, request.key_len
+    heads = 1 if request.average_weights else spec.num_heads
+    sizes = {
+        OUTPUT: answer_bytes(spec, b, length, keys, 0),
+        WEIGHTS: answer_bytes(spec, b, length, keys, heads) - answer_bytes(spec, b, length, keys, 0),
+    }
+    placed: dict[str, tuple[Region, int]] = {}
+    for name, (where, p) in placements.items():
+        if memory is None:
+            raise InvalidArgument(f"{where}: this server takes no shared memory")
+        if p.byte_size < sizes[name]:
+            raise InvalidArgument(
+                f"{where}[{SHM_BYTE_SIZE!r}]: output {name!r} takes {sizes[name]} bytes, got room for {p.byte_size}"
+            )
+        placed[name] = (memory.place(where, p.region, p.offset, sizes[name]), p.offset)
+    return placed
 
 
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
@@ -245,24 +344,40 @@ def _output(response: v2.ModelInferResponse, name: str, dtype: str, shape, data:
 def encode(
     spec: ModelSpec, msg: v2.ModelInferRequest, decoded: Decoded, answer: Answer, timing: dict[str, int]
 ) -> v2.ModelInferResponse | Frame:
-    """The response; a Frame (framing.py) when it carries raw_output_contents."""
+    """The response; a Frame (framing.py) when it carries raw_output_contents. An output asked for in
+    shared memory is written to its region here, and the response names it, its shape and its place,
+    without contents, after the outputs that carry theirs (so that raw_output_contents[i] stays
+    outputs[i]'s, as tritonclient reads them)."""
     response = v2.ModelInferResponse(model_name=spec.name, model_version=VERSION, id=msg.id)
     for key, value in timing.items():
         response.parameters[key].int64_param = value
     dtype = spec.dtype.name
     raw: list[bytes] = []
+    placed = decoded.placed or {}
+    tensors = []
     for name in decoded.outputs:
-        data = None
         if name == OUTPUT:
-            data = _output(response, name, dtype, answer.output_shape, answer.output, decoded.typed)
+            tensors.append((name, answer.output_shape, answer.output))
         elif answer.weights is not None:
             # Averaged weights [B, L, S] go out as [B, 1, L, S]: one rank for both forms.
             shape = answer.weights_shape
             if len(shape) == 3:
                 shape = (shape[0], 1, *shape[1:])
-            data = _output(response, name, dtype, shape, answer.weights, decoded.typed)
-        if data is not None:
-            raw.append(data)
+            tensors.append((name, shape, answer.weights))
+    for name, shape, data in tensors:
+        if name not in placed:
+            contents = _output(response, name, dtype, shape, data, decoded.typed)
+            if contents is not None:
+                raw.append(contents)
+    for name, shape, data in tensors:
+        if name in placed:
+            region, offset = placed[name]
+            SharedMemoryRegistry.write(region, offset, data)
+            out = response.outputs.add(name=name, datatype=dtype, shape=shape)
+            out.parameters[SHM_REGION].string_param = region.name
+            out.parameters[SHM_BYTE_SIZE].int64_param = memoryview(data).nbytes
+            if offset:
+                out.parameters[SHM_OFFSET].int64_param = offset
     if not raw:
         return response
     frame = Frame(response.SerializeToString())

@@ -23,12 +23,14 @@ from attnserve_server.edge.dispatch import (
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Received
 from attnserve_server.edge.registration import Undecodable, note_undecodable
+from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
 SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name
 EXTENSIONS = ("model_configuration", "statistics", "parameters")
+SHARED_MEMORY_EXTENSION = "system_shared_memory"  # with --allow-client-shm
 
 
 def _server_version() -> str:
@@ -43,9 +45,11 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     TENSOR_FIELDS = {"ModelInfer": kserve.TENSOR_FIELDS, "ModelStreamInfer": kserve.TENSOR_FIELDS}
     REQUEST_ID = "id"  # each request may carry its own: payload.Parser lets it differ
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, memory: SharedMemoryRegistry | None = None) -> None:
         self._dispatch = dispatcher
         self._version = _server_version()
+        self._memory = memory if memory is not None else SharedMemoryRegistry(enabled=False)
+        self._extensions = EXTENSIONS + ((SHARED_MEMORY_EXTENSION,) if self._memory.enabled else ())
 
     def _model(self, name: str, version: str) -> Servable:
         served = self._dispatch.model(name)
@@ -65,7 +69,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         return v2.ModelReadyResponse(ready=self._model(request.name, request.version).ready)
 
     async def ServerMetadata(self, request: v2.ServerMetadataRequest, context) -> v2.ServerMetadataResponse:
-        return v2.ServerMetadataResponse(name="attnserve", version=self._version, extensions=EXTENSIONS)
+        return v2.ServerMetadataResponse(name="attnserve", version=self._version, extensions=self._extensions)
 
     @unary_errors
     async def ModelMetadata(self, request: v2.ModelMetadataRequest, context) -> v2.ModelMetadataResponse:
@@ -91,6 +95,37 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
                 response.models.add(name=served.spec.name, version=kserve.VERSION, state=state)
         return response
 
+    # -- system shared memory (edge/shared_memory.py) ------------------------------------------
+
+    @unary_errors
+    async def SystemSharedMemoryStatus(
+        self, request: v2.SystemSharedMemoryStatusRequest, context
+    ) -> v2.SystemSharedMemoryStatusResponse:
+        response = v2.SystemSharedMemoryStatusResponse()
+        for region in self._memory.status(request.name):
+            status = response.regions[region.name]
+            status.name, status.key, status.offset, status.byte_size = (
+                region.name,
+                region.key,
+                region.offset,
+                region.byte_size,
+            )
+        return response
+
+    @unary_errors
+    async def SystemSharedMemoryRegister(
+        self, request: v2.SystemSharedMemoryRegisterRequest, context
+    ) -> v2.SystemSharedMemoryRegisterResponse:
+        await self._memory.register(request.name, request.key, request.offset, request.byte_size)
+        return v2.SystemSharedMemoryRegisterResponse()
+
+    @unary_errors
+    async def SystemSharedMemoryUnregister(
+        self, request: v2.SystemSharedMemoryUnregisterRequest, context
+    ) -> v2.SystemSharedMemoryUnregisterResponse:
+        await self._memory.unregister(request.name)
+        return v2.SystemSharedMemoryUnregisterResponse()
+
     # -- inference -------------------------------------------------------------------------
 
     async def _infer(
@@ -101,7 +136,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
 
         def decode(served: Servable) -> tuple[AttentionRequest, float | None]:
             nonlocal decoded
-            decoded = kserve.decode(incoming, served.spec)
+            decoded = kserve.decode(incoming, served.spec, self._memory)
             return decoded.request, decoded.timeout_s
 
         def encode(served: Servable, request: AttentionRequest, answer: Answer, received: float):

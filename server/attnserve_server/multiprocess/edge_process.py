@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from attnserve_server.batching import BatchLimits, refusal
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
+from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, ServingError
 from attnserve_server.metrics import InferenceStats, Metrics, ModelMetrics
 from attnserve_server.multiprocess import link
@@ -73,6 +74,7 @@ class EngineLink:
         self.stopping: asyncio.Future = asyncio.get_running_loop().create_future()  # grace seconds, None: lost
         self.ready: dict[str, bool] = {}
         self.health: health.aio.HealthServicer | None = None
+        self.shared_memory: SharedMemoryRegistry | None = None  # this edge's copy of the regions
         self.lost = False
         self._health_update: asyncio.Task | None = None
 
@@ -124,6 +126,16 @@ class EngineLink:
                 self.send((link.CANCEL, rid))
             raise
 
+    async def forward_shared_memory(self, op: str, args: tuple) -> None:
+        """A client's register or unregister, through the engine: answered once every edge has the
+        regions' new table (this one included), or with the engine's refusal."""
+        self.check()
+        rid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = [future, None]
+        self.send((link.SHM, rid, op, args))
+        await future
+
     async def statistics(self, name: str) -> InferenceStats:
         self.check()
         rid = next(self._ids)
@@ -170,6 +182,18 @@ class EngineLink:
         elif kind == link.STATS_REPLY:
             if (future := self._settle(message[1])) is not None:
                 future.set_result(message[2])
+        elif kind == link.SHM_TABLE:
+            _, version, table = message
+            if self.shared_memory is not None:
+                self.shared_memory.apply(table)
+            self.send((link.SHM_ACK, version))
+        elif kind == link.SHM_REPLY:
+            _, rid, refusal = message
+            if (future := self._settle(rid)) is not None:
+                if refusal is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(EngineFailure(*refusal))
         elif kind == link.STATE:
             _, self.ready, serving = message
             if self.health is not None:
@@ -262,6 +286,8 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
     await set_health(servicer, tuple(models), NOT_SERVING)
     engine.health = servicer
     front = GrpcFront(settings, models, metrics.for_unknown_models(), servicer, tracing, port=port, share_port=True)
+    front.shared_memory.forward = engine.forward_shared_memory  # registrations go through the engine to every edge
+    engine.shared_memory = front.shared_memory
     try:
         await front.start()
     except ConfigError as exc:

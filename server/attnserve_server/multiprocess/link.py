@@ -29,6 +29,8 @@ FATAL = 2  # (FATAL, error class name, message): the edge cannot start
 SUBMIT = 3  # (SUBMIT, id, model, Submission): see edge_process.RemoteModel.submit
 CANCEL = 4  # (CANCEL, id): its caller went away
 STATS = 5  # (STATS, id, model names): KServe statistics, summed over every process
+SHM = 6  # (SHM, id, "register" or "unregister", arguments): a client's shared memory call (shared_memory.py)
+SHM_ACK = 7  # (SHM_ACK, version): the edge holds that version of the regions' table
 # engine -> edge
 HELLO = 10  # (HELLO, settings, [ModelInfo], port)
 DONE = 11  # (DONE, id, Returned)
@@ -37,6 +39,8 @@ CANCELLED = 13  # (CANCELLED, id): dropped as asked; its region is free
 STATS_REPLY = 14  # (STATS_REPLY, id, {model: InferenceStats})
 STATE = 15  # (STATE, {model: ready}, serving): readiness and health
 STOP = 16  # (STOP, seconds left of the grace period): stop serving and exit
+SHM_TABLE = 17  # (SHM_TABLE, version, {region name: (key, offset, byte_size)}): every edge's regions now
+SHM_REPLY = 18  # (SHM_REPLY, id, None, or (status name, message)): the SHM call's outcome
 
 _HEADER = struct.Struct("<I")
 ALIGN = 64

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Mapping
 
 from attnserve_server.domain import AttentionRequest, HostTensor
+from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, PortUnavailable, ServingError, status_of
 from attnserve_server.metrics import Duration, InferenceStats, RequestPathSnapshot, merge_snapshots
 from attnserve_server.model import ServedModel
@@ -134,6 +135,13 @@ class Edge:
             task = asyncio.get_running_loop().create_task(self._statistics(message[1], message[2]))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+        elif kind == link.SHM:
+            _, rid, op, args = message
+            task = asyncio.get_running_loop().create_task(self._sup.shared_memory_call(self, rid, op, args))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif kind == link.SHM_ACK:
+            self._sup.table_acked(self, message[1])
         elif kind == link.READY:
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -144,6 +152,7 @@ class Edge:
 
     def _on_lost(self) -> None:
         self.channel = None
+        self._sup.table_acked(self, None)  # nothing more to wait for from it
         for task in self._tasks.values():
             task.cancel()  # nobody is left to answer
         if not self.ready.done():
@@ -227,6 +236,11 @@ class EdgeSupervisor:
         self.failed = failed  # set when an edge dies while serving
         self._stopping = False
         self._reserved: socket.socket | None = None
+        # Clients' shared memory regions: the one table, checked here and sent to every edge.
+        self.shared_memory = SharedMemoryRegistry(settings.allow_client_shm)
+        self._shm_lock = asyncio.Lock()  # one change at a time, each one in every edge before the next
+        self._shm_version = 0
+        self._shm_acks: dict[Edge, asyncio.Future] = {}  # while a table is on its way
 
     def reserve(self) -> int:
         """Claims the port (before the models load: a taken port fails at once) and returns it."""
@@ -271,6 +285,34 @@ class EdgeSupervisor:
         log.critical("edge process %d stopped unasked: stopping the server (exit 1)", edge.index)
         self.failed.set()
 
+    async def shared_memory_call(self, edge: Edge, rid: int, op: str, args: tuple) -> None:
+        """An edge's client registers or unregisters a region: the change is checked and made here,
+        then the new table goes to every edge, and `edge` is answered once all of them hold it."""
+        async with self._shm_lock:
+            try:
+                if op == "register":
+                    self.shared_memory.add(*args)
+                else:
+                    self.shared_memory.remove(*args)
+            except ServingError as exc:
+                edge.send((link.SHM_REPLY, rid, (exc.status, exc.message)))
+                return
+            self._shm_version += 1
+            loop = asyncio.get_running_loop()
+            self._shm_acks = {e: loop.create_future() for e in self.edges if e.channel is not None}
+            table = self.shared_memory.table()
+            for e in self._shm_acks:
+                e.send((link.SHM_TABLE, self._shm_version, table))
+            await asyncio.gather(*self._shm_acks.values())
+            self._shm_acks = {}
+        edge.send((link.SHM_REPLY, rid, None))
+
+    def table_acked(self, edge: Edge, version: int | None) -> None:
+        """`edge` holds table `version` (None: it is gone)."""
+        future = self._shm_acks.get(edge)
+        if future is not None and not future.done() and (version is None or version == self._shm_version):
+            future.set_result(None)
+
     def snapshots(self) -> list[RequestPathSnapshot]:
         """Every edge's request-path numbers; blocking, so called from a thread."""
         return [snap for edge in self.edges for snap in edge.snapshot()]
@@ -304,4 +346,5 @@ class EdgeSupervisor:
             await asyncio.wait(late)
         if self._reserved is not None:
             self._reserved.close()
+        self.shared_memory.close()
         return not late

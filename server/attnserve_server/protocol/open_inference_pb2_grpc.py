@@ -84,6 +84,21 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+                request_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+                request_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+                request_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -159,6 +174,31 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SystemSharedMemoryStatus(self, request, context):
+        """Triton's system shared memory extension (the server's --allow-client-shm): a client on
+        the same host names a POSIX shared memory object (`key`, as for shm_open) and a
+        region of it; inputs and requested outputs then name the region in their
+        parameters (shared_memory_region, shared_memory_byte_size, shared_memory_offset)
+        instead of carrying their bytes in the message.
+        Status of one region by name, or of every region when `name` is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Unregisters one region by name, or every region when `name` is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +251,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +538,87 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/RepositoryIndex',
             attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexRequest.SerializeToString,
             attnserve__server_dot_protocol_dot_open__inference__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            attnserve__server_dot_protocol_dot_open__inference__pb2.SystemSharedMemoryUnregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
