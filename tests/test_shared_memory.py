@@ -335,3 +335,22 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     finally:
         c.close()
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_the_regions_held_at_once_are_bounded(region) -> None:
+    """Each region holds a file descriptor: past the bound a registration is RESOURCE_EXHAUSTED, and the
+    regions already held keep working."""
+    from attnserve_server.edge.shared_memory import SharedMemoryRegistry
+    from attnserve_server.errors import QueueFull
+
+    registry = SharedMemoryRegistry(enabled=True, max_regions=3)
+    try:
+        for i in range(3):
+            registry.add(f"r{i}", region._shm_key, 64 * i, 64)
+        with pytest.raises(QueueFull, match="3 shared memory regions are registered, the most this server holds"):
+            registry.add("r3", region._shm_key, 0, 64)
+        registry.remove("r0")
+        registry.add("r3", region._shm_key, 0, 64)
+        assert sorted(registry.table()) == ["r1", "r2", "r3"]
+    finally:
+        registry.close()

@@ -26,12 +26,14 @@ import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from attnserve_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, clip
+from attnserve_server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull, clip
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory objects
 DISABLED = "system shared memory is off on this server; start it with --allow-client-shm to use it"
+# Regions registered at once, at most: each holds a file descriptor, and the process has a limited number.
+MAX_REGIONS = 1024
 # What a region is, as the engine sends its table to the edges: name -> (key, offset, byte_size).
 Table = dict[str, tuple[str, int, int]]
 # An edge's way to the engine: (operation, its arguments) -> done, or a ServingError raised.
@@ -60,9 +62,10 @@ def object_path(key: str) -> str:
 class SharedMemoryRegistry:
     """The regions registered on this server, by name. Used on the event loop only."""
 
-    def __init__(self, enabled: bool, forward: Forward | None = None) -> None:
+    def __init__(self, enabled: bool, forward: Forward | None = None, max_regions: int = MAX_REGIONS) -> None:
         self.enabled = enabled
         self.forward = forward  # in an edge process: registrations go through the engine
+        self.max_regions = max_regions
         self._regions: dict[str, Region] = {}
 
     def _check_enabled(self) -> None:
@@ -96,6 +99,11 @@ class SharedMemoryRegistry:
             )
         if byte_size <= 0:
             raise InvalidArgument(f"byte_size: expected a positive number of bytes, got {byte_size}")
+        if len(self._regions) >= self.max_regions:
+            raise QueueFull(
+                f"name: {len(self._regions)} shared memory regions are registered, the most this server holds; "
+                "unregister some first"
+            )
         path = object_path(key)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
