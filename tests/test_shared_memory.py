@@ -70,9 +70,11 @@ def test_server_metadata_names_the_extension(client: tc.InferenceServerClient) -
     assert "system_shared_memory" in client.get_server_metadata().extensions
 
 
-def test_register_status_and_unregister(client: tc.InferenceServerClient, region) -> None:
+def test_register_status_and_unregister(server: Running, client: tc.InferenceServerClient, region) -> None:
     name, key = region._triton_shm_name, region._shm_key
     client.register_system_shared_memory(name, key, 4096, offset=1024)
+    assert server.sample("attnserve_shared_memory_regions") == 1
+    assert server.sample("attnserve_shared_memory_region_bytes") == 4096
     status = client.get_system_shared_memory_status(name)
     assert [(r.name, r.key, r.offset, r.byte_size) for r in status.regions.values()] == [(name, key, 1024, 4096)]
     assert name in client.get_system_shared_memory_status().regions
@@ -81,6 +83,7 @@ def test_register_status_and_unregister(client: tc.InferenceServerClient, region
     assert err.value.status() == "StatusCode.ALREADY_EXISTS"
     client.unregister_system_shared_memory(name)
     assert name not in client.get_system_shared_memory_status().regions
+    assert server.sample("attnserve_shared_memory_regions") == 0
     with pytest.raises(InferenceServerException) as err:
         client.get_system_shared_memory_status(name)
     assert err.value.status() == "StatusCode.NOT_FOUND"
@@ -286,6 +289,7 @@ def test_every_edge_process_holds_the_regions_a_client_registers(region) -> None
                 assert list(status.regions) == [name]
                 outputs.append(bytes(stub.ModelInfer(request, timeout=30).raw_output_contents[0]))
             assert len(set(outputs)) == 1
+            assert h.sample("attnserve_shared_memory_regions") == 1  # the engine's table, counted once
             stubs[-1].SystemSharedMemoryUnregister(triton.SystemSharedMemoryUnregisterRequest(name=name), timeout=30)
             for stub in stubs:
                 status = stub.SystemSharedMemoryStatus(triton.SystemSharedMemoryStatusRequest(), timeout=30)

@@ -176,6 +176,9 @@ class AttnServer:
             await self.edges.start()
             self.metrics.add_remote(self.edges.snapshots)
             self.edges.set_state(serving=True)
+        if s.allow_client_shm:  # the one table: the front's, or the engine's that every edge holds
+            memory = self._front.shared_memory if self._front is not None else self.edges.shared_memory  # type: ignore[union-attr]
+            self.metrics.watch_shared_memory(memory.table)
         await set_health(self._health, (), SERVING)
         log.info("attnserve serving %s on port %d", ", ".join(self.models), self.port)
 

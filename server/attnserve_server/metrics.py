@@ -118,6 +118,11 @@ class Metrics:
         if devices:
             self.registry.register(_CudaMemoryCollector(devices, pinned))
 
+    def watch_shared_memory(self, regions: Callable[[], dict[str, tuple[str, int, int]]]) -> None:
+        """Clients' shared memory regions (edge/shared_memory.py): `regions()` is the table
+        ({name: (key, offset, byte_size)}), read at scrape time."""
+        self.registry.register(_SharedMemoryCollector(regions))
+
     def serve_http(
         self,
         host: str,
@@ -519,3 +524,21 @@ class _CudaMemoryCollector(Collector):
         yield allocated
         yield reserved
         yield pinned
+
+
+class _SharedMemoryCollector(Collector):
+    def __init__(self, regions: Callable[[], dict[str, tuple[str, int, int]]]) -> None:
+        self._regions = regions
+
+    def collect(self) -> Iterator[Any]:
+        table = self._regions()
+        yield GaugeMetricFamily(
+            "attnserve_shared_memory_regions",
+            "System shared memory regions clients have registered (--allow-client-shm).",
+            value=len(table),
+        )
+        yield GaugeMetricFamily(
+            "attnserve_shared_memory_region_bytes",
+            "The bytes of every registered system shared memory region, summed.",
+            value=sum(size for _, _, size in table.values()),
+        )

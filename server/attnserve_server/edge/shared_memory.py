@@ -131,7 +131,8 @@ class SharedMemoryRegistry:
             os.close(self._regions.pop(n).fd)
 
     def table(self) -> Table:
-        return {r.name: (r.key, r.offset, r.byte_size) for r in self._regions.values()}
+        """The regions as the engine sends them; safe to call from another thread (a scrape)."""
+        return {r.name: (r.key, r.offset, r.byte_size) for r in list(self._regions.values())}
 
     def apply(self, table: Table) -> None:
         """Makes this edge's regions the engine's `table`: a region gone or changed is closed, a new one
