@@ -358,3 +358,20 @@ def test_the_regions_held_at_once_are_bounded(region) -> None:
         assert sorted(registry.table()) == ["r1", "r2", "r3"]
     finally:
         registry.close()
+
+
+def test_the_calls_need_a_token_where_tokens_are_required(region) -> None:
+    from attnserve_server.security import token_hash
+
+    tokens = f"{token_hash('only-other')} other"  # a valid token, for another model only
+    with running(settings(model("default", embed_dim=E, num_heads=H), allow_client_shm=True, auth_tokens=tokens)) as h:
+        c = tc.InferenceServerClient(h.target)
+        try:
+            code, _ = _status(lambda: c.register_system_shared_memory("r", region._shm_key, 64))
+            assert code == "StatusCode.UNAUTHENTICATED"
+            auth = {"authorization": "Bearer only-other"}
+            c.register_system_shared_memory("r", region._shm_key, 64, headers=auth)
+            assert list(c.get_system_shared_memory_status(headers=auth).regions) == ["r"]
+            c.unregister_system_shared_memory(headers=auth)
+        finally:
+            c.close()
