@@ -375,3 +375,40 @@ def test_the_calls_need_a_token_where_tokens_are_required(region) -> None:
             c.unregister_system_shared_memory(headers=auth)
         finally:
             c.close()
+
+
+def test_an_edge_that_never_takes_the_table_fails_the_call_instead_of_hanging(region, monkeypatch) -> None:
+    """The engine's side alone: one edge acknowledges the new table, the other does not, until it recovers."""
+    import asyncio
+
+    from attnserve_server.multiprocess import link, supervisor
+    from attnserve_server.settings import ServerSettings
+
+    monkeypatch.setattr(supervisor, "SHM_ACK_TIMEOUT_S", 0.2)
+
+    class FakeEdge:
+        def __init__(self, sup: supervisor.EdgeSupervisor, index: int, answers: bool) -> None:
+            self.sup, self.index, self.answers, self.sent, self.channel = sup, index, answers, [], object()
+
+        def send(self, message: tuple) -> None:
+            self.sent.append(message)
+            if message[0] == link.SHM_TABLE and self.answers:
+                asyncio.get_running_loop().call_soon(self.sup.table_acked, self, message[1])
+
+    async def main() -> list[tuple]:
+        sup = supervisor.EdgeSupervisor(ServerSettings(allow_client_shm=True), {}, None, asyncio.Event())
+        good, stuck = FakeEdge(sup, 0, True), FakeEdge(sup, 1, False)
+        sup.edges = [good, stuck]  # type: ignore[list-item]
+        try:
+            await sup.shared_memory_call(good, 7, "register", ("r", region._shm_key, 0, 64))  # type: ignore[arg-type]
+            stuck.answers = True  # it recovers: the next change goes through
+            await sup.shared_memory_call(good, 8, "unregister", ("r",))  # type: ignore[arg-type]
+        finally:
+            sup.shared_memory.close()
+        return [m for m in good.sent if m[0] == link.SHM_REPLY]
+
+    replies = asyncio.run(main())
+    assert replies == [
+        (link.SHM_REPLY, 7, ("UNAVAILABLE", "edge process(es) 1 did not answer in time")),
+        (link.SHM_REPLY, 8, None),
+    ]

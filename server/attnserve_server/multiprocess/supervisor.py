@@ -34,6 +34,7 @@ from attnserve_server.tracing import Tracing
 log = logging.getLogger(__name__)
 _FATAL_KINDS = {"PortUnavailable": PortUnavailable}
 START_TIMEOUT_S = 60.0
+SHM_ACK_TIMEOUT_S = 30.0  # for every edge to take a new table of shared memory regions
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -303,8 +304,15 @@ class EdgeSupervisor:
             table = self.shared_memory.table()
             for e in self._shm_acks:
                 e.send((link.SHM_TABLE, self._shm_version, table))
-            await asyncio.gather(*self._shm_acks.values())
-            self._shm_acks = {}
+            try:
+                await asyncio.wait_for(asyncio.gather(*self._shm_acks.values()), SHM_ACK_TIMEOUT_S)
+            except TimeoutError:
+                late = ", ".join(str(e.index) for e, f in self._shm_acks.items() if f.cancelled() or not f.done())
+                log.error("edge process(es) %s did not take the shared memory table in time", late)
+                edge.send((link.SHM_REPLY, rid, ("UNAVAILABLE", f"edge process(es) {late} did not answer in time")))
+                return
+            finally:
+                self._shm_acks = {}
         edge.send((link.SHM_REPLY, rid, None))
 
     def table_acked(self, edge: Edge, version: int | None) -> None:
