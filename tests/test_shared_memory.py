@@ -339,6 +339,14 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     finally:
         c.close()
     assert set(os.listdir("/dev/shm")) <= before
+    bad = subprocess.run(
+        [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "--shared-memory drives a float32 model with the built-in client" in bad.stderr
 
 
 def test_the_regions_held_at_once_are_bounded(region) -> None:

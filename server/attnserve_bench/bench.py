@@ -68,8 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send over the KServe v2 API with every tensor in Triton's system shared memory: each client process "
         "registers one region for its inputs and its slots' outputs, and the messages carry none of their bytes "
-        "(float32 models; the server needs --allow-client-shm, which the servers bench starts get, and one edge "
-        "process)",
+        "(float32 models; the server needs --allow-client-shm, which the servers bench starts get)",
     )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
     p.add_argument(
@@ -752,9 +751,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
     edge_counts = args.edge_processes.split(",")
-    if args.shared_memory and (args.perf_analyzer or args.dtype != "float32" or edge_counts != ["1"]):
+    if args.shared_memory and (args.perf_analyzer or args.dtype != "float32"):
         print(
-            "attnserve bench: --shared-memory drives a float32 model on one edge process with the built-in client "
+            "attnserve bench: --shared-memory drives a float32 model with the built-in client "
             "(perf_analyzer refuses shared memory for models with optional inputs)",
             file=sys.stderr,
         )
