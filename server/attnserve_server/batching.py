@@ -573,16 +573,23 @@ class Batcher(Generic[T, R]):
     async def drain(self, timeout_s: float) -> bool:
         """Refuses new items, runs everything queued without waiting for delays, waits for it.
 
-        Returns False if work was still pending after `timeout_s`; that work fails UNAVAILABLE.
+        Returns False if work was still pending after `timeout_s`; that work fails UNAVAILABLE. With
+        no time at all (a grace of 0), nothing queued starts: it fails UNAVAILABLE at once, rather than
+        racing the runners that would take it.
         """
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._report_depth()
 
         def busy() -> bool:
             with self._cond:
                 return bool(self._depth or self._in_flight)
+
+        if timeout_s <= 0:
+            pending = busy()
+            await self.close()
+            return not pending
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._report_depth()
 
         async def settled() -> None:
             while busy():
