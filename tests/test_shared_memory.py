@@ -27,6 +27,7 @@ def server() -> Iterator[Running]:
     models = (
         model("default", embed_dim=E, num_heads=H, max_batch_size=8, max_queue_delay_ms=2),
         model("bare", kind="sdpa", embed_dim=E, num_heads=H, vdim=16),
+        model("half", embed_dim=E, num_heads=H, dtype="bfloat16"),
     )
     with running(settings(*models, allow_client_shm=True)) as handle:
         yield handle
@@ -339,14 +340,28 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     finally:
         c.close()
     assert set(os.listdir("/dev/shm")) <= before
+    # A bfloat16 model: its tensors go in as BF16.
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "attnserve_server", "bench", "--target", server.target, "--model", "half"),
+            *("--shared-memory", "--concurrency", "2", "--processes", "1", "--seq-len", "8"),
+            *("--duration-s", "0.3", "--warmup-s", "0.1", "--no-inprocess", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] > 0 and row["errors"] == 0
     bad = subprocess.run(
-        [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", "--dtype", "bfloat16"],
+        [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", "--perf-analyzer", "perf_analyzer"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert bad.returncode == 2
-    assert "--shared-memory drives a float32 model with the built-in client" in bad.stderr
+    assert "--shared-memory drives the load with the built-in client" in bad.stderr
 
 
 def test_the_regions_held_at_once_are_bounded(region) -> None:

@@ -68,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send over the KServe v2 API with every tensor in Triton's system shared memory: each client process "
         "registers one region for its inputs and its slots' outputs, and the messages carry none of their bytes "
-        "(float32 models; the server needs --allow-client-shm, which the servers bench starts get)",
+        "(the server needs --allow-client-shm, which the servers bench starts get; not with --perf-analyzer)",
     )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
     p.add_argument(
@@ -219,9 +219,21 @@ class SharedMemoryLoad:
 
     ALIGN = 64
 
-    def __init__(self, model: str, inputs: list[dict[str, Any]], output_bytes: list[int]) -> None:
+    # The model's dtype -> the KServe datatype its tensors are sent as.
+    DATATYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+
+    def __init__(self, model: str, dtype: str, inputs: list[dict[str, Any]], output_bytes: list[int]) -> None:
+        from attnserve._codec import float32_to_bfloat16_bits
+
         self.model = model
-        self.inputs = [{k: v for k, v in one.items() if isinstance(v, np.ndarray)} for one in inputs]
+        self.datatype = self.DATATYPES[dtype]
+        cast = {
+            "FP32": lambda a: a.astype("<f4"),
+            "FP16": lambda a: a.astype("<f2"),
+            "BF16": lambda a: float32_to_bfloat16_bits(a.astype("<f4")),
+        }[self.datatype]
+        # The float inputs in the model's dtype, as the bytes the region will hold.
+        self.inputs = [{k: cast(v) for k, v in one.items() if isinstance(v, np.ndarray)} for one in inputs]
         self.output_bytes = output_bytes  # per request, in the order of `inputs`
         self._memory: Any = None
         self._region = ""
@@ -249,7 +261,7 @@ class SharedMemoryLoad:
         self._memory = memory = shared_memory.SharedMemory(create=True, size=size)
         for one, tensors in zip(self.inputs, placed, strict=True):
             for name, _, offset, nbytes in tensors:
-                memory.buf[offset : offset + nbytes] = one[name].astype("<f4", copy=False).tobytes()
+                memory.buf[offset : offset + nbytes] = one[name].tobytes()
         self._region = f"bench-{os.getpid()}"
         register = channel.unary_unary(
             "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
@@ -267,7 +279,7 @@ class SharedMemoryLoad:
             for tensors, out_bytes in zip(placed, self.output_bytes, strict=True):
                 msg = v2.ModelInferRequest(model_name=self.model)
                 for name, shape, offset, nbytes in tensors:
-                    t = msg.inputs.add(name=name, datatype="FP32", shape=shape)
+                    t = msg.inputs.add(name=name, datatype=self.datatype, shape=shape)
                     t.parameters["shared_memory_region"].string_param = self._region
                     t.parameters["shared_memory_offset"].int64_param = offset
                     t.parameters["shared_memory_byte_size"].int64_param = nbytes
@@ -458,8 +470,9 @@ def _run_level(
 
     requests: list[bytes] | SharedMemoryLoad
     if args.shared_memory and info is not None:  # (the echo floor has no KServe API: messages there)
-        output_bytes = [one["query"].shape[0] * one["query"].shape[1] * info.output_dim * 4 for one in inputs]
-        requests = SharedMemoryLoad(info.name, inputs, output_bytes)
+        itemsize = 4 if info.dtype == "float32" else 2
+        output_bytes = [one["query"].shape[0] * one["query"].shape[1] * info.output_dim * itemsize for one in inputs]
+        requests = SharedMemoryLoad(info.name, info.dtype, inputs, output_bytes)
     else:
         requests = [encode_request(Request(**one)).SerializeToString() for one in inputs]
     ctx = mp.get_context("spawn")  # no fork after gRPC has started threads
@@ -751,9 +764,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
     edge_counts = args.edge_processes.split(",")
-    if args.shared_memory and (args.perf_analyzer or args.dtype != "float32"):
+    if args.shared_memory and args.perf_analyzer:
         print(
-            "attnserve bench: --shared-memory drives a float32 model with the built-in client "
+            "attnserve bench: --shared-memory drives the load with the built-in client "
             "(perf_analyzer refuses shared memory for models with optional inputs)",
             file=sys.stderr,
         )
