@@ -3,6 +3,7 @@ its shared memory helpers: regions registered, inputs read from them, outputs wr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -435,3 +436,40 @@ def test_an_edge_that_never_takes_the_table_fails_the_call_instead_of_hanging(re
         (link.SHM_REPLY, 7, ("UNAVAILABLE", "edge process(es) 1 did not answer in time")),
         (link.SHM_REPLY, 8, None),
     ]
+
+
+def test_a_region_unregistered_while_its_request_waits_still_takes_the_answer(region) -> None:
+    """The request is decoded (its output place checked) while the region is registered, then waits in
+    the queue while the client unregisters the region and the process opens other files. Its answer
+    must land in the region's object, not in a file that reused a closed descriptor."""
+    import concurrent.futures
+    import tempfile
+
+    query = x(1, L, E)
+    name = region._triton_shm_name
+    shm.set_shared_memory_region(region, [query])
+    held_model = model("default", embed_dim=E, num_heads=H, max_batch_size=2, max_queue_delay_ms=60_000)
+    with running(settings(held_model, allow_client_shm=True, solo_macs=0)) as h:  # no lone run on the loop
+        c = tc.InferenceServerClient(h.target)
+        try:
+            c.register_system_shared_memory(name, region._shm_key, 1 << 16)
+            q = tc.InferInput("query", [1, L, E], "FP32")
+            q.set_shared_memory(name, query.nbytes)
+            out = tc.InferRequestedOutput("output")
+            out.set_shared_memory(name, query.nbytes, offset=8192)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(c.infer, "default", [q], outputs=[out])
+                h.wait_for(lambda: h.sample("attnserve_queue_depth", model="default") == 1)
+                c.unregister_system_shared_memory(name)
+                with contextlib.ExitStack() as files:  # descriptors a closed one would be reused for
+                    spares = [files.enter_context(tempfile.TemporaryFile()) for _ in range(8)]
+                    company = tc.InferInput("query", [1, L, E], "FP32")
+                    company.set_data_from_numpy(query)
+                    # It fills the batch, so both run; its answer, in the message, is the one expected.
+                    expected = c.infer("default", [company]).as_numpy("output")
+                    waiting.result(timeout=30)
+                    assert all(os.fstat(f.fileno()).st_size == 0 for f in spares)
+            got = shm.get_contents_as_numpy(region, np.float32, [1, L, E], offset=8192)
+            np.testing.assert_array_equal(got, expected)
+        finally:
+            c.close()

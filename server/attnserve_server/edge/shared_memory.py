@@ -20,6 +20,7 @@ only clients on the same host, trusted as the server's user, should have it.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import stat
@@ -42,11 +43,19 @@ Forward = Callable[[str, tuple], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class Region:
+    """A registered region. Its object stays open as long as anything holds the Region: a request
+    decoded while the region was registered writes its answer there even if the client unregisters
+    it meanwhile, and never to a descriptor closed and reused by another file."""
+
     name: str
     key: str
     offset: int
     byte_size: int
-    fd: int
+    file: io.FileIO  # closes its descriptor when the last holder lets go
+
+    @property
+    def fd(self) -> int:
+        return self.file.fileno()
 
 
 def object_path(key: str) -> str:
@@ -111,6 +120,7 @@ class SharedMemoryRegistry:
             raise InvalidArgument(
                 f"key: cannot open shared memory object {clip(key)} for reading and writing ({exc.strerror})"
             ) from None
+        file = io.FileIO(fd, "r+", closefd=True)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -121,14 +131,14 @@ class SharedMemoryRegistry:
                     f"of shared memory object {clip(key)} ({info.st_size} bytes)"
                 )
         except BaseException:
-            os.close(fd)
+            file.close()
             raise
-        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        self._regions[name] = Region(name, key, offset, byte_size, file)
 
     def remove(self, name: str) -> None:
         names = list(self._regions) if not name else [name] if name in self._regions else []
         for n in names:
-            os.close(self._regions.pop(n).fd)
+            del self._regions[n]  # its object closes once no request holds it
 
     def table(self) -> Table:
         """The regions as the engine sends them; safe to call from another thread (a scrape)."""
@@ -139,7 +149,7 @@ class SharedMemoryRegistry:
         opened (one whose object vanished since the engine checked it is left out, and logged)."""
         for name, region in list(self._regions.items()):
             if table.get(name) != (region.key, region.offset, region.byte_size):
-                os.close(self._regions.pop(name).fd)
+                del self._regions[name]
         for name, (key, offset, byte_size) in table.items():
             if name not in self._regions:
                 try:
@@ -158,8 +168,6 @@ class SharedMemoryRegistry:
         return [region]
 
     def close(self) -> None:
-        for region in self._regions.values():
-            os.close(region.fd)
         self._regions.clear()
 
     def place(self, where: str, name: str, offset: int, byte_size: int) -> Region:
