@@ -319,21 +319,21 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     import subprocess
     import sys
 
+    def bench(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    def measured(model_name: str, *flags: str) -> dict:
+        out = tmp_path / f"{model_name}.json"
+        r = bench("--target", server.target, "--model", model_name, "--duration-s", "0.4", "--warmup-s", "0.1",
+                  "--no-inprocess", "--json", str(out), *flags)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["requests"] > 0 and row["errors"] == 0
+        return row
+
     before = set(os.listdir("/dev/shm"))
-    out = tmp_path / "bench.json"
-    r = subprocess.run(
-        [
-            *(sys.executable, "-m", "attnserve_server", "bench", "--target", server.target, "--model", "default"),
-            *("--shared-memory", "--concurrency", "3", "--processes", "2", "--seq-len", "8,4"),
-            *("--duration-s", "0.5", "--warmup-s", "0.1", "--no-inprocess", "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["requests"] > 0 and row["errors"] == 0
+    row = measured("default", "--concurrency", "3", "--processes", "2", "--seq-len", "8,4")
     assert server.sample("attnserve_requests_total", model="default", method="ModelInfer", code="OK") >= row["requests"]
     c = tc.InferenceServerClient(server.target)
     try:
@@ -341,26 +341,8 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     finally:
         c.close()
     assert set(os.listdir("/dev/shm")) <= before
-    # A bfloat16 model: its tensors go in as BF16.
-    r = subprocess.run(
-        [
-            *(sys.executable, "-m", "attnserve_server", "bench", "--target", server.target, "--model", "half"),
-            *("--shared-memory", "--concurrency", "2", "--processes", "1", "--seq-len", "8"),
-            *("--duration-s", "0.3", "--warmup-s", "0.1", "--no-inprocess", "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["requests"] > 0 and row["errors"] == 0
-    bad = subprocess.run(
-        [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", "--perf-analyzer", "perf_analyzer"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    measured("half", "--concurrency", "2", "--processes", "1", "--seq-len", "8")  # bfloat16: sent as BF16
+    bad = bench("--perf-analyzer", "perf_analyzer")
     assert bad.returncode == 2
     assert "--shared-memory drives the load with the built-in client" in bad.stderr
 
