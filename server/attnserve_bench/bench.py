@@ -219,14 +219,11 @@ class SharedMemoryLoad:
 
     ALIGN = 64
 
-    # The model's dtype -> the KServe datatype its tensors are sent as.
-    DATATYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
-
-    def __init__(self, model: str, dtype: str, inputs: list[dict[str, Any]], output_bytes: list[int]) -> None:
+    def __init__(self, model: str, datatype: str, inputs: list[dict[str, Any]], output_bytes: list[int]) -> None:
         from attnserve._codec import float32_to_bfloat16_bits
 
         self.model = model
-        self.datatype = self.DATATYPES[dtype]
+        self.datatype = datatype  # KServe's name of the model's float type: FP32, FP16 or BF16
         cast = {
             "FP32": lambda a: a.astype("<f4"),
             "FP16": lambda a: a.astype("<f2"),
@@ -470,9 +467,13 @@ def _run_level(
 
     requests: list[bytes] | SharedMemoryLoad
     if args.shared_memory and info is not None:  # (the echo floor has no KServe API: messages there)
-        itemsize = 4 if info.dtype == "float32" else 2
-        output_bytes = [one["query"].shape[0] * one["query"].shape[1] * info.output_dim * itemsize for one in inputs]
-        requests = SharedMemoryLoad(info.name, info.dtype, inputs, output_bytes)
+        from attnserve_server.dtypes import FLOATS
+
+        dtype = FLOATS[info.dtype]
+        output_bytes = [
+            one["query"].shape[0] * one["query"].shape[1] * info.output_dim * dtype.itemsize for one in inputs
+        ]
+        requests = SharedMemoryLoad(info.name, dtype.name, inputs, output_bytes)
     else:
         requests = [encode_request(Request(**one)).SerializeToString() for one in inputs]
     ctx = mp.get_context("spawn")  # no fork after gRPC has started threads

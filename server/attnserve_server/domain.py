@@ -54,6 +54,11 @@ class ModelSpec:
 ANSWER_OVERHEAD_BYTES = 64 << 10
 
 
+def weight_heads(spec: ModelSpec, need_weights: bool, average: bool) -> int:
+    """The heads of the weights an answer carries: num_heads per head, 1 averaged, 0 none."""
+    return 0 if not need_weights else 1 if average else spec.num_heads
+
+
 def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, weight_heads: int) -> int:
     """The tensors of an answer: the output [B, L, E_out], and the weights [B, heads, L, S] when asked
     for (heads: num_heads per head, 1 averaged, 0 none), in the model's dtype."""

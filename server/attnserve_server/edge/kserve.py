@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve_server import dtypes
-from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, answer_bytes
+from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, answer_bytes, weight_heads
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
-from attnserve_server.edge.shared_memory import Region, SharedMemoryRegistry
+from attnserve_server.edge.shared_memory import OFF, Region, SharedMemoryRegistry
 from attnserve_server.edge.wire import Known, WireTensor, build_request
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
@@ -180,7 +180,7 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
 
 
 def _wire_tensors(
-    msg: v2.ModelInferRequest, raw: Sequence[bytes | memoryview], memory: SharedMemoryRegistry | None
+    msg: v2.ModelInferRequest, raw: Sequence[bytes | memoryview], memory: SharedMemoryRegistry
 ) -> tuple[dict[str, WireTensor], bool]:
     placements = [_placement(f"inputs[{i}]", f"input {clip(t.name)}", t.parameters) for i, t in enumerate(msg.inputs)]
     carried = sum(p is None for p in placements)  # inputs whose bytes the message carries
@@ -204,8 +204,6 @@ def _wire_tensors(
             field = f"inputs[{i}].parameters (input {clip(name)}, shared memory region {clip(placement.region)})"
             if has_contents:
                 raise InvalidArgument(f"inputs[{i}].contents: input {clip(name)} is in shared memory; send no contents")
-            if memory is None:
-                raise InvalidArgument(f"{field}: this server takes no shared memory")
             region = memory.place(f"inputs[{i}].parameters", placement.region, placement.offset, placement.byte_size)
             data: bytes | memoryview = memory.read(region, placement.offset, placement.byte_size, field)
         elif raw:
@@ -231,9 +229,7 @@ RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_c
 TENSOR_FIELDS: Fields = {RAW_INPUT_CONTENTS: None}
 
 
-def decode(
-    received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry | None = None
-) -> Decoded:
+def decode(received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry = OFF) -> Decoded:
     """Validates a ModelInferRequest against its model; raises InvalidArgument (or ModelNotFound).
     Inputs in shared memory are read from `memory`'s regions, and outputs asked for there are checked
     to fit theirs.
@@ -267,9 +263,7 @@ class _Again:
         self.known, self.outputs, self.timeout_s = known, outputs, timeout_s
 
 
-def _decode_whole(
-    received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry | None
-) -> Decoded:
+def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry) -> Decoded:
     msg = received.message
     check_version(spec, msg.model_version)
     _check_parameters(msg)
@@ -306,19 +300,17 @@ def _place_outputs(
     spec: ModelSpec,
     request: AttentionRequest,
     placements: dict[str, tuple[str, _Placement]],
-    memory: SharedMemoryRegistry | None,
+    memory: SharedMemoryRegistry,
 ) -> dict[str, tuple[Region, int]]:
     """The regions outputs go to, each checked to hold its output (before any compute)."""
     b, length, keys = request.sequences, request.query_len, request.key_len
-    heads = 1 if request.average_weights else spec.num_heads
+    heads = weight_heads(spec, request.need_weights, request.average_weights)
     sizes = {
         OUTPUT: answer_bytes(spec, b, length, keys, 0),
         WEIGHTS: answer_bytes(spec, b, length, keys, heads) - answer_bytes(spec, b, length, keys, 0),
     }
     placed: dict[str, tuple[Region, int]] = {}
     for name, (where, p) in placements.items():
-        if memory is None:
-            raise InvalidArgument(f"{where}: this server takes no shared memory")
         if p.byte_size < sizes[name]:
             raise InvalidArgument(
                 f"{where}[{SHM_BYTE_SIZE!r}]: output {name!r} takes {sizes[name]} bytes, got room for {p.byte_size}"
@@ -364,13 +356,14 @@ def encode(
             if len(shape) == 3:
                 shape = (shape[0], 1, *shape[1:])
             tensors.append((name, shape, answer.weights))
+    if placed:  # (a stable sort: the outputs in shared memory after the others)
+        tensors.sort(key=lambda t: t[0] in placed)
     for name, shape, data in tensors:
         if name not in placed:
             contents = _output(response, name, dtype, shape, data, decoded.typed)
             if contents is not None:
                 raw.append(contents)
-    for name, shape, data in tensors:
-        if name in placed:
+        else:
             region, offset = placed[name]
             SharedMemoryRegistry.write(region, offset, data)
             out = response.outputs.add(name=name, datatype=dtype, shape=shape)

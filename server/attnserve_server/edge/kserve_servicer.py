@@ -23,7 +23,7 @@ from attnserve_server.edge.dispatch import (
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Received
 from attnserve_server.edge.registration import Undecodable, note_undecodable
-from attnserve_server.edge.shared_memory import SharedMemoryRegistry
+from attnserve_server.edge.shared_memory import OFF, SharedMemoryRegistry
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -45,10 +45,10 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     TENSOR_FIELDS = {"ModelInfer": kserve.TENSOR_FIELDS, "ModelStreamInfer": kserve.TENSOR_FIELDS}
     REQUEST_ID = "id"  # each request may carry its own: payload.Parser lets it differ
 
-    def __init__(self, dispatcher: Dispatcher, memory: SharedMemoryRegistry | None = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, memory: SharedMemoryRegistry = OFF) -> None:
         self._dispatch = dispatcher
         self._version = _server_version()
-        self._memory = memory if memory is not None else SharedMemoryRegistry(enabled=False)
+        self._memory = memory
         self._extensions = EXTENSIONS + ((SHARED_MEMORY_EXTENSION,) if self._memory.enabled else ())
 
     def _model(self, name: str, version: str) -> Servable:
@@ -102,13 +102,11 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         self, request: v2.SystemSharedMemoryStatusRequest, context
     ) -> v2.SystemSharedMemoryStatusResponse:
         response = v2.SystemSharedMemoryStatusResponse()
-        for region in self._memory.status(request.name):
-            status = response.regions[region.name]
-            status.name, status.key, status.offset, status.byte_size = (
-                region.name,
-                region.key,
-                region.offset,
-                region.byte_size,
+        for r in self._memory.status(request.name):
+            response.regions[r.name].MergeFrom(
+                v2.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+                )
             )
         return response
 

@@ -204,3 +204,7 @@ class SharedMemoryRegistry:
         while view:
             written = os.pwrite(region.fd, view, position)
             view, position = view[written:], position + written
+
+
+# The registry of a server without --allow-client-shm: every call and every reference refused.
+OFF = SharedMemoryRegistry(enabled=False)

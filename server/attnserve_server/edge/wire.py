@@ -24,6 +24,7 @@ from attnserve_server.domain import (
     ModelSpec,
     answer_bytes,
     compute_bytes,
+    weight_heads,
 )
 from attnserve_server.errors import InvalidArgument, clip, shape_text
 
@@ -262,7 +263,7 @@ def _mib(n: int) -> str:
 def _check_memory(spec: ModelSpec, batch: int, length: int, keys: int, need_weights: bool, average: bool) -> int:
     """Refuses, before any compute, a request whose answer cannot be sent or whose computation would
     not fit the model's batch memory budget; returns its compute memory estimate."""
-    heads = 0 if not need_weights else 1 if average else spec.num_heads
+    heads = weight_heads(spec, need_weights, average)
     answer = answer_bytes(spec, batch, length, keys, heads)
     if answer + ANSWER_OVERHEAD_BYTES > spec.max_answer_bytes:
         weights = answer - answer_bytes(spec, batch, length, keys, 0)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from attnserve_server.batching import BatchLimits, refusal
-from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes
+from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes, weight_heads
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, ServingError
@@ -94,7 +94,7 @@ class EngineLink:
         shared_kv = request.key is not None and request.key is request.value
         tensors = [request.query, request.key, None if shared_kv else request.value]
         sizes = [0 if t is None else memoryview(t.data).nbytes for t in tensors]
-        heads = 0 if not request.need_weights else 1 if request.average_weights else spec.num_heads
+        heads = weight_heads(spec, request.need_weights, request.average_weights)
         room = answer_bytes(spec, request.sequences, request.query_len, request.key_len, heads) + link.ALIGN
         start = self._ring.take(sum(link.aligned(n) for n in sizes) + room)
         refs: list[link.TensorRef | None] = []
