@@ -252,7 +252,7 @@ def test_cross_attention_of_far_apart_key_lengths_runs_in_groups_and_answers_as_
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
-@pytest.mark.parametrize("path", ["fused kernel", "tiled"])
+@pytest.mark.parametrize("path", ["fused kernel", "tiled", "tiled on oneDNN"])
 def test_the_fused_and_tiled_paths_match_the_explicit_path(
     causal: bool, padded: bool, weights: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -260,8 +260,9 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
         monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
-    fused = AttentionCompute(spec, params, tiled=path == "tiled")
-    explicit = AttentionCompute(spec, params, fused=False)
+    matmul = "onednn" if path == "tiled on oneDNN" else "aten"
+    fused = AttentionCompute(spec, params, tiled=path != "fused kernel", cpu_matmul=matmul)
+    explicit = AttentionCompute(spec, params, fused=False, cpu_matmul="aten")  # torch's own products
     assert fused.fused and not explicit.fused
     x = torch.randn(3, 7, 16)
     padding = (torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]) if padded else None
@@ -286,8 +287,8 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
 
     monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
-    compute = AttentionCompute(spec, random_projections(spec, 0))
-    reference = AttentionCompute(spec, compute.params, tiled=False)
+    compute = AttentionCompute(spec, random_projections(spec, 0), cpu_matmul="aten")
+    reference = AttentionCompute(spec, compute.params, tiled=False, cpu_matmul="aten")
     one_padded = torch.tensor([[False] * 60 + [True] * 4])
     with torch.inference_mode():
         for n in (1, 4, 8, 16):  # scores of 128 KiB to 2 MiB: the tiled path from 1 MiB
@@ -304,6 +305,27 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
         compute(torch.randn(16, 64, 256), None, None, None, False, True, True)  # weights: fused
     # the reference takes the fused kernel at every size; the model from 8 W1 sequences on does not
     assert batches == [1, 1, 4, 4, 8, 16, 16]
+
+
+def test_with_onednn_products_only_batches_that_return_weights_take_the_fused_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    native, batches = attention._NATIVE_MHA, []
+
+    def counted(*args: object) -> object:
+        batches.append(args[0].shape[0])  # type: ignore[attr-defined]
+        return native(*args)  # type: ignore[misc]
+
+    monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
+    spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
+    compute = AttentionCompute(spec, random_projections(spec, 0))  # the default: oneDNN
+    if compute._out.backend != "onednn":  # type: ignore[union-attr]
+        pytest.skip("this torch build has no oneDNN linear ops")
+    with torch.inference_mode():
+        for n in (1, 4, 16):
+            compute(torch.randn(n, 64, 256), None, None, None, False, False, False)
+        compute(torch.randn(2, 64, 256), None, None, None, False, True, False)  # weights: fused
+    assert batches == [2]
 
 
 @pytest.mark.parametrize(

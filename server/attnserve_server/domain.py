@@ -38,6 +38,7 @@ class ModelSpec:
     max_batch_memory_bytes: int = 2 << 30  # a batch's estimated compute memory (see compute_bytes)
     max_answer_bytes: int = 256 << 20  # the largest response message the server may send
     cuda_graphs: bool = False  # replay small unmasked batches as CUDA graphs (compute/graphs.py)
+    cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
 
     @property
     def self_attention(self) -> bool:

@@ -57,6 +57,7 @@ def spec_from_settings(
         max_batch_memory_bytes=settings.batching.max_batch_memory_bytes,
         max_answer_bytes=max_message_bytes,
         cuda_graphs=settings.cuda_graphs,
+        cpu_matmul=settings.cpu_matmul,
     )
 
 

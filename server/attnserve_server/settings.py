@@ -27,6 +27,7 @@ ENV_PREFIX = "ATTNSERVE_"
 DTYPES = ("auto", *FLOATS)
 KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
+CPU_MATMULS = ("onednn", "aten")  # compute/linear.py
 # Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third pass, how they were chosen).
 LINGER_MACS = 16_000_000
 MAX_LINGER_MS = 1.0
@@ -87,6 +88,9 @@ class ModelSettings:
     max_key_len: int = 4096
     # CUDA graphs for small unmasked self-attention batches (compute/graphs.py); ignored on the CPU.
     cuda_graphs: bool = False
+    # How the CPU multiplies the projections: onednn (weights packed once) or aten (torch's F.linear):
+    # compute/linear.py. Ignored on CUDA.
+    cpu_matmul: str = "onednn"
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
@@ -300,6 +304,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("device", "model", str, "auto, cpu, cuda, cuda:N, or a comma list: one worker each (default auto)"),
     Option("cuda-graphs", "model", bool, "replay small unmasked batches as CUDA graphs, true or false (default false)"),
+    Option(
+        "cpu-matmul",
+        "model",
+        str,
+        "how the CPU multiplies the projections: onednn (weights packed once) or aten (torch's own) (default onednn)",
+    ),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
     Option("max-batch-size", "batching", int, "sequences in one batch (default 64)"),
@@ -575,6 +585,10 @@ def validate(settings: ServerSettings) -> None:
         seen.add(m.name)
         _check(m.kind in KINDS, f"{at}.kind: expected one of {KINDS}, got {m.kind!r}")
         _check(m.dtype in DTYPES, f"{at}.dtype: expected one of {DTYPES}, got {m.dtype!r}")
+        _check(
+            m.cpu_matmul in CPU_MATMULS,
+            f"{at}.cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {m.cpu_matmul!r}",
+        )
         _check(m.embed_dim > 0 and m.num_heads > 0, f"{at}: embed_dim and num_heads must be positive")
         _check(
             m.embed_dim % m.num_heads == 0,

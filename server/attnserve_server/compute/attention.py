@@ -3,10 +3,12 @@
 Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
-holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only: larger
-or masked ones take the tiled path (`_tiled`: scaled_dot_product_attention between the two
-projections, four calls into torch), which never holds a whole batch's scores. Cross attention,
-the bare operation and odd head counts take the explicit path below, as torch's module does.
+holds it (measured in BENCHMARKS.md). That is CUDA's path, and the CPU's for small unmasked batches
+where it multiplies with torch's own products (`cpu_matmul: aten`): larger or masked ones take the
+tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into
+torch), which never holds a whole batch's scores. With oneDNN's packed products (compute/linear.py,
+the CPU's default) every unmasked batch without weights is tiled. Cross attention, the bare
+operation and odd head counts take the explicit path below, as torch's module does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnserve_server.compute.linear import Linear
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import ModelKind, ModelSpec
 
@@ -39,16 +42,25 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # Xeon, AVX-512): W1 batches of 8-32 cost 0.72-0.90x as much per sequence on the tiled path, lone
 # W1 requests 1.03-1.15x, and any masked batch 0.64-0.88x. So an unmasked CPU batch takes the fused
 # kernel only while its scores stay under this many bytes (W1: up to 7 sequences, 128 KiB each). In
-# bfloat16 the two paths tied (0.90-1.16x, no trend), so the same bound serves it.
+# bfloat16 the two paths tied (0.90-1.16x, no trend), so the same bound serves it. With oneDNN's
+# products the tiled path is the faster at every batch size (thirty-fourth pass), and this bound unused.
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 
 
 class AttentionCompute:
     """Y = concat_h(softmax(Q K^T / sqrt(d)) V) W_O for one model on one device."""
 
-    def __init__(self, spec: ModelSpec, params: Projections | None, fused: bool = True, tiled: bool = True) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: Projections | None,
+        fused: bool = True,
+        tiled: bool = True,
+        cpu_matmul: str = "onednn",
+    ) -> None:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
-        pays (FUSED_CPU_MAX_SCORE_BYTES), the tiled path otherwise. Tests turn either off."""
+        pays (FUSED_CPU_MAX_SCORE_BYTES), the tiled path otherwise. Tests turn either off. `cpu_matmul`:
+        how the CPU multiplies the projections (compute/linear.py)."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
@@ -67,6 +79,15 @@ class AttentionCompute:
             self._qkv_bias = p.packed_bias if p.packed_bias is not None else zeros(3 * e)
             self._out_bias = p.out_bias if p.out_bias is not None else zeros(e)
         self._causal: dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._in = self._q = self._k = self._v = self._out = None
+        if params is not None:
+            p = params
+            if p.packed is not None:
+                self._in = Linear(p.packed, p.packed_bias, cpu_matmul)
+            self._q = Linear(p.q_weight, p.q_bias, cpu_matmul)
+            self._k = Linear(p.k_weight, p.k_bias, cpu_matmul)
+            self._v = Linear(p.v_weight, p.v_bias, cpu_matmul)
+            self._out = Linear(p.out_weight, p.out_bias, cpu_matmul)
 
     def _fused_mask(
         self, key_padding: torch.Tensor | None, causal: bool, query: torch.Tensor
@@ -105,39 +126,37 @@ class AttentionCompute:
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
+        if self._out is not None and self._out.backend == "onednn":
+            # torch's fused kernel multiplies with MKL inside; oneDNN's packed products beat it at every
+            # batch size (compute/linear.py), so every batch whose weights are not asked for is tiled.
+            return False
         n, length, _ = query.shape
         return n * self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it
         takes: each call gives up the GIL and must take it back (module docstring)."""
-        p = self.params
         n, length, e = query.shape
-        q, k, v = F.linear(query, p.packed, p.packed_bias).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[union-attr]
+        q, k, v = self._in(query).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[misc]
         if key_padding is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=visibility_mask(key_padding, causal, length, length, q.device)
             )
-        return F.linear(y.transpose(1, 2).reshape(n, length, e), p.out_weight, p.out_bias)  # type: ignore[union-attr]
+        return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
 
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = self.params
-        if p is None:
+        if self.params is None:
             assert key is not None and value is not None
             return query, key, value
-        if key is None and p.packed is not None:
-            return F.linear(query, p.packed, p.packed_bias).chunk(3, dim=-1)
+        if key is None and self._in is not None:
+            return self._in(query).chunk(3, dim=-1)
         key = query if key is None else key
         value = query if value is None else value
-        return (
-            F.linear(query, p.q_weight, p.q_bias),
-            F.linear(key, p.k_weight, p.k_bias),
-            F.linear(value, p.v_weight, p.v_bias),
-        )
+        return self._q(query), self._k(key), self._v(value)  # type: ignore[misc]
 
     def __call__(
         self,
@@ -183,6 +202,6 @@ class AttentionCompute:
             allowed = visibility_mask(key_padding, causal, length, s, q.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).flatten(2)
-        if self.params is not None:
-            y = F.linear(y, self.params.out_weight, self.params.out_bias)
+        if self._out is not None:
+            y = self._out(y)
         return y, weights

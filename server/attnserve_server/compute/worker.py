@@ -142,7 +142,7 @@ class DeviceWorker:
             max_workers=self.lanes, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
         on_device = None if params is None else params.to(device, self.dtype)
-        self._compute = AttentionCompute(spec, on_device)
+        self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul)
         if self._cuda:
             # The weights and biases were made on the device's default stream; the lanes' streams
             # do not wait for it.

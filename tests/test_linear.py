@@ -1,0 +1,68 @@
+"""compute/linear.py: oneDNN's packed products against torch's F.linear, and the fall-backs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnserve_server.compute import linear
+from attnserve_server.compute.linear import Linear
+
+
+def onednn_here() -> bool:
+    return linear._onednn_ops() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_products_match_torch_on_any_leading_shape(dtype: torch.dtype, bias: bool) -> None:
+    if not onednn_here():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype) if bias else None
+    layer = Linear(w, b)
+    assert layer.backend == "onednn"
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.02)
+    for shape in [(5, 32), (3, 7, 32), (2, 3, 4, 32)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        y = layer(x)
+        assert y.shape == (*shape[:-1], 48) and y.dtype == dtype
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=atol, rtol=rtol)
+    # a view with strides (the tiled path's transposed heads, reshaped) gives the same
+    x = torch.randn(4, 32, 6, generator=g).to(dtype).transpose(1, 2)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=atol, rtol=rtol)
+    assert layer._packed is not None  # packed once, at the first product
+
+
+def test_aten_and_cuda_weights_multiply_with_torch_and_pack_nothing() -> None:
+    w, b = torch.randn(8, 4), torch.randn(8)
+    layer = Linear(w, b, "aten")
+    x = torch.randn(3, 4)
+    assert layer.backend == "aten"
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    assert layer._packed is None
+    with pytest.raises(ValueError, match="cpu_matmul: expected one of onednn, aten, got 'mkl'"):
+        Linear(w, b, "mkl")
+
+
+def test_a_dtype_onednn_cannot_multiply_here_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuses(weight: torch.Tensor, batch: object) -> torch.Tensor:
+        raise RuntimeError("fp16 path needs the cpu support avx_ne_convert or avx512_fp16")
+
+    monkeypatch.setattr(linear, "_onednn_ops", lambda: (refuses, None))
+    w, b = torch.randn(8, 4), torch.randn(8)
+    layer = Linear(w, b)
+    assert layer.backend == "onednn"  # until its first product finds out
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    assert layer.backend == "aten" and layer._packed is None
+
+
+def test_a_torch_build_without_the_ops_multiplies_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    layer = Linear(torch.randn(8, 4), None)
+    assert layer.backend == "aten"
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
