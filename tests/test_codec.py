@@ -84,3 +84,16 @@ def test_in_band_stream_errors_decode_to_an_error_result() -> None:
     assert result.error is not None and result.error.code.name == "INVALID_ARGUMENT"
     with pytest.raises(type(result.error)):
         result.raise_for_error()
+
+
+def test_a_request_carries_each_tensor_as_encode_tensor_writes_it() -> None:
+    """encode_request fills its tensor fields in place (one copy fewer): the same bytes as built apart."""
+    rng = np.random.default_rng(0)
+    query, key = rng.standard_normal((2, 5, 8), dtype=np.float32), rng.standard_normal((2, 3, 8), dtype=np.float32)
+    mask = np.array([[False, False, True], [False, True, True]])
+    msg = encode_request(Request(query=query, key_value=key, key_padding_mask=mask, dtype="bfloat16"))
+    assert msg.query == encode_tensor(query, "query", "bfloat16")
+    assert msg.key_value == encode_tensor(key, "key_value", "bfloat16")
+    assert msg.key_padding_mask == encode_tensor(mask, "key_padding_mask")
+    assert not msg.HasField("key") and not msg.HasField("key_lengths")
+    assert list(msg.query.shape) == [2, 5, 8] and msg.query.dtype == pb.DATA_TYPE_BF16

@@ -25,13 +25,13 @@ def test_onednn_products_match_torch_on_any_leading_shape(dtype: torch.dtype, bi
     layer = Linear(w, b)
     assert layer.backend == "onednn"
     atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.02)
-    for shape in [(5, 32), (3, 7, 32), (2, 3, 4, 32)]:
+    for shape in [(64, 32), (3, 70, 32), (2, 4, 9, 32)]:  # from ONEDNN_MIN_ROWS rows
         x = torch.randn(*shape, generator=g).to(dtype)
         y = layer(x)
         assert y.shape == (*shape[:-1], 48) and y.dtype == dtype
         torch.testing.assert_close(y, F.linear(x, w, b), atol=atol, rtol=rtol)
     # a view with strides (the tiled path's transposed heads, reshaped) gives the same
-    x = torch.randn(4, 32, 6, generator=g).to(dtype).transpose(1, 2)
+    x = torch.randn(4, 32, 20, generator=g).to(dtype).transpose(1, 2)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=atol, rtol=rtol)
     assert layer._packed is not None  # packed once, at the first product
 
@@ -55,9 +55,22 @@ def test_a_dtype_onednn_cannot_multiply_here_falls_back_to_torch(monkeypatch: py
     w, b = torch.randn(8, 4), torch.randn(8)
     layer = Linear(w, b)
     assert layer.backend == "onednn"  # until its first product finds out
-    x = torch.randn(2, 3, 4)
+    x = torch.randn(2, 40, 4)
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
     assert layer.backend == "aten" and layer._packed is None
+
+
+def test_a_product_of_few_rows_multiplies_with_torch_and_packs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unused(*args: object) -> torch.Tensor:
+        raise AssertionError("oneDNN called for a product of few rows")
+
+    monkeypatch.setattr(linear, "_onednn_ops", lambda: (unused, unused))
+    w, b = torch.randn(8, 4), torch.randn(8)
+    layer = Linear(w, b)
+    assert layer.takes(linear.ONEDNN_MIN_ROWS) and not layer.takes(linear.ONEDNN_MIN_ROWS - 1)
+    x = torch.randn(3, 21, 4)  # 63 rows
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    assert layer._packed is None
 
 
 def test_a_torch_build_without_the_ops_multiplies_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -307,25 +307,22 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
     assert batches == [1, 1, 4, 4, 8, 16, 16]
 
 
-def test_with_onednn_products_only_batches_that_return_weights_take_the_fused_kernel(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    native, batches = attention._NATIVE_MHA, []
-
-    def counted(*args: object) -> object:
-        batches.append(args[0].shape[0])  # type: ignore[attr-defined]
-        return native(*args)  # type: ignore[misc]
-
-    monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
+def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_products() -> None:
+    """Whichever products the tiled path multiplies with, it takes over at the same batch size."""
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
-    compute = AttentionCompute(spec, random_projections(spec, 0))  # the default: oneDNN
-    if compute._out.backend != "onednn":  # type: ignore[union-attr]
-        pytest.skip("this torch build has no oneDNN linear ops")
+    params = random_projections(spec, 0)
+    onednn = AttentionCompute(spec, params)  # the default
+    aten = AttentionCompute(spec, params, cpu_matmul="aten")
     with torch.inference_mode():
-        for n in (1, 4, 16):
-            compute(torch.randn(n, 64, 256), None, None, None, False, False, False)
-        compute(torch.randn(2, 64, 256), None, None, None, False, True, False)  # weights: fused
-    assert batches == [2]
+        for n in (1, 4, 8, 16):
+            x = torch.randn(n, 64, 256)
+            assert onednn._fused_pays(x, None, False, False) == aten._fused_pays(x, None, False, False) == (n < 8)
+            torch.testing.assert_close(
+                onednn(x, None, None, None, False, False, False)[0],
+                aten(x, None, None, None, False, False, False)[0],
+                atol=1e-5,
+                rtol=1e-5,
+            )
 
 
 @pytest.mark.parametrize(

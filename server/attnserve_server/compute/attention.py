@@ -6,9 +6,9 @@ from Python gives up the GIL and must take it back, which costs a wait whenever 
 holds it (measured in BENCHMARKS.md). That is CUDA's path, and the CPU's for small unmasked batches
 where it multiplies with torch's own products (`cpu_matmul: aten`): larger or masked ones take the
 tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into
-torch), which never holds a whole batch's scores. With oneDNN's packed products (compute/linear.py,
-the CPU's default) every unmasked batch without weights is tiled. Cross attention, the bare
-operation and odd head counts take the explicit path below, as torch's module does.
+torch), which never holds a whole batch's scores. The CPU's projections there multiply on oneDNN
+(compute/linear.py). Cross attention, the bare operation and odd head counts take the explicit path below, as torch's
+module does.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # W1 requests 1.03-1.15x, and any masked batch 0.64-0.88x. So an unmasked CPU batch takes the fused
 # kernel only while its scores stay under this many bytes (W1: up to 7 sequences, 128 KiB each). In
 # bfloat16 the two paths tied (0.90-1.16x, no trend), so the same bound serves it. With oneDNN's
-# products the tiled path is the faster at every batch size (thirty-fourth pass), and this bound unused.
+# products the tiled path computed W1 batches of 1-7 alone 3-13% faster than the fused kernel, but
+# under load tiling every batch served L=16 at concurrency 32 0.96x as much (its batches' four calls
+# into torch, against one), so the bound stays (BENCHMARKS.md, thirty-fourth pass).
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 
 
@@ -125,10 +127,6 @@ class AttentionCompute:
         if need_weights or not self.tiled or query.device.type != "cpu":
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
-            return False
-        if self._out is not None and self._out.backend == "onednn":
-            # torch's fused kernel multiplies with MKL inside; oneDNN's packed products beat it at every
-            # batch size (compute/linear.py), so every batch whose weights are not asked for is tiled.
             return False
         n, length, _ = query.shape
         return n * self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES

@@ -7,6 +7,10 @@ a weight reordered once into its blocked layout saves the per-call repacking. Me
 on one thread at batches 4-32 (the same at batch 1), WL's 17-27% on two threads; bfloat16
 projections 3-11%. Results match torch's to float32 rounding (max |difference| ~2e-7 on W1).
 
+Below ONEDNN_MIN_ROWS rows a product goes to `F.linear` all the same: there oneDNN's fixed cost per
+call outweighs its kernels (one L=1 request: 90 µs against 50 on torch's fused kernel; L=16, 8%
+slower; from L=32 a tie).
+
 `cpu_matmul: aten` keeps torch's `F.linear` (an operator's escape hatch, and the reference the
 tests compare against). CUDA always multiplies through torch (cuBLAS).
 """
@@ -22,6 +26,9 @@ import torch.nn.functional as F
 from attnserve_server.settings import CPU_MATMULS
 
 log = logging.getLogger(__name__)
+
+# Fewer rows (sequences x tokens) than this multiply on torch's F.linear (the module docstring says why).
+ONEDNN_MIN_ROWS = 64
 
 
 def _onednn_ops() -> tuple[object, object] | None:
@@ -74,8 +81,14 @@ class Linear:
             self._packed = packed
             return packed
 
+    def takes(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on oneDNN (before the first product: where it will)."""
+        return self._ops is not None and rows >= ONEDNN_MIN_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed if self._packed is not None or self._ops is None else self._pack()
+        if not self.takes(x.numel() // x.shape[-1] if x.shape[-1] else 0):
+            return F.linear(x, self.weight, self.bias)
+        packed = self._packed if self._packed is not None else self._pack()
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         # The op takes a matrix: fold the leading dimensions (a copy only where x is not contiguous).
