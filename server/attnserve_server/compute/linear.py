@@ -3,8 +3,8 @@
 torch's `F.linear` multiplies float32 on the CPU with MKL's sgemm, whatever the CPU. oneDNN (which
 torch ships, and calls for its own bfloat16 products) picks kernels by the CPU's instruction sets, and
 a weight reordered once into its blocked layout saves the per-call repacking. Measured in-process
-(BENCHMARKS.md, thirty-fourth pass, AMD EPYC Zen 4): W1's whole attention 4-17% faster a sequence
-on one thread at batches 4-32 (the same at batch 1), WL's 17-27% on two threads; bfloat16
+(BENCHMARKS.md, thirty-fourth pass, AMD EPYC Zen 4): W1's whole attention 5-12% cheaper a sequence
+on one thread at batches 4-32 (10-16% on two; the same at batch 1), WL's 17-28% on two; bfloat16
 projections 3-11%. Results match torch's to float32 rounding (max |difference| ~2e-7 on W1).
 
 Below ONEDNN_MIN_ROWS rows a product goes to `F.linear` all the same: there oneDNN's fixed cost per
