@@ -39,6 +39,7 @@ class ModelSpec:
     max_answer_bytes: int = 256 << 20  # the largest response message the server may send
     cuda_graphs: bool = False  # replay small unmasked batches as CUDA graphs (compute/graphs.py)
     cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
+    cpu_lanes: int = 1  # batches a CPU worker computes at once (compute/worker.py)
 
     @property
     def self_attention(self) -> bool:

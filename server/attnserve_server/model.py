@@ -58,6 +58,7 @@ def spec_from_settings(
         max_answer_bytes=max_message_bytes,
         cuda_graphs=settings.cuda_graphs,
         cpu_matmul=settings.cpu_matmul,
+        cpu_lanes=settings.cpu_lanes,
     )
 
 

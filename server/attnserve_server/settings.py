@@ -91,6 +91,9 @@ class ModelSettings:
     # How the CPU multiplies the projections: onednn (weights packed once) or aten (torch's F.linear):
     # compute/linear.py. Ignored on CUDA.
     cpu_matmul: str = "onednn"
+    # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
+    # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
+    cpu_lanes: int = 1
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
@@ -309,6 +312,12 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         str,
         "how the CPU multiplies the projections: onednn (weights packed once) or aten (torch's own) (default onednn)",
+    ),
+    Option(
+        "cpu-lanes",
+        "model",
+        int,
+        "batches a CPU worker computes at once, each on its own thread, as Triton's instance count (default 1)",
     ),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
@@ -589,6 +598,7 @@ def validate(settings: ServerSettings) -> None:
             m.cpu_matmul in CPU_MATMULS,
             f"{at}.cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {m.cpu_matmul!r}",
         )
+        _check(m.cpu_lanes >= 1, f"{at}.cpu_lanes: expected >= 1, got {m.cpu_lanes}")
         _check(m.embed_dim > 0 and m.num_heads > 0, f"{at}: embed_dim and num_heads must be positive")
         _check(
             m.embed_dim % m.num_heads == 0,

@@ -104,7 +104,12 @@ class _Lane:
 
 class DeviceWorker:
     """Runs `run(requests) -> [Answer]` on one device, on threads of its own (see `executor`):
-    `lanes` batches at once (one on the CPU; CUDA_LANES on a GPU)."""
+    `lanes` batches at once (on the CPU `cpu_lanes`, by default one; CUDA_LANES on a GPU).
+
+    Several CPU lanes trade batch size for independence: each lane computes whole batches on its own
+    thread, so no lane's thread waits at another's OpenMP barriers when the loop or a client preempts
+    it. On 2 cores (BENCHMARKS.md, thirty-fourth pass) two lanes of one thread served WL at concurrency
+    32 7-8% more than one lane of two, and W1 0.90x, its batches half the size."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, threads: CpuThreads | None = None
@@ -114,7 +119,7 @@ class DeviceWorker:
         self.name = str(device)
         self.dtype: torch.dtype = getattr(torch, spec.dtype.setting)
         self._cuda = device.type == "cuda"
-        self.lanes = CUDA_LANES if self._cuda else 1
+        self.lanes = CUDA_LANES if self._cuda else spec.cpu_lanes
         self._lanes = [_Lane(device, self.dtype) for _ in range(self.lanes)]
         self._free_lanes = list(self._lanes)
         # What the OS calls the lanes' threads, and their OpenMP threads, which inherit the name.
@@ -134,7 +139,8 @@ class DeviceWorker:
             for lane in self._lanes:
                 lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
         self._threads = threads if threads is not None else CpuThreads()
-        self._most_threads = self._threads.count or DEFAULT_THREADS  # a CPU batch's "every thread"
+        # A CPU batch's "every thread": what is configured, else the cores shared among the lanes.
+        self._most_threads = self._threads.count or max(1, DEFAULT_THREADS // self.lanes)
         # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread
         # (and, on the CPU, per batch: compute/threads.py).
