@@ -23,7 +23,7 @@ def test_onednn_products_match_torch_on_any_leading_shape(dtype: torch.dtype, bi
     w = torch.randn(48, 32, generator=g).to(dtype)
     b = torch.randn(48, generator=g).to(dtype) if bias else None
     layer = Linear(w, b)
-    assert layer.backend == "onednn"
+    assert layer.takes(linear.ONEDNN_MIN_ROWS)
     atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.02)
     for shape in [(64, 32), (3, 70, 32), (2, 4, 9, 32)]:  # from ONEDNN_MIN_ROWS rows
         x = torch.randn(*shape, generator=g).to(dtype)
@@ -40,7 +40,7 @@ def test_aten_and_cuda_weights_multiply_with_torch_and_pack_nothing() -> None:
     w, b = torch.randn(8, 4), torch.randn(8)
     layer = Linear(w, b, "aten")
     x = torch.randn(3, 4)
-    assert layer.backend == "aten"
+    assert not layer.takes(linear.ONEDNN_MIN_ROWS)
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
     assert layer._packed is None
     with pytest.raises(ValueError, match="cpu_matmul: expected one of onednn, aten, got 'mkl'"):
@@ -54,10 +54,10 @@ def test_a_dtype_onednn_cannot_multiply_here_falls_back_to_torch(monkeypatch: py
     monkeypatch.setattr(linear, "_onednn_ops", lambda: (refuses, None))
     w, b = torch.randn(8, 4), torch.randn(8)
     layer = Linear(w, b)
-    assert layer.backend == "onednn"  # until its first product finds out
+    assert layer.takes(linear.ONEDNN_MIN_ROWS)  # until its first product finds out
     x = torch.randn(2, 40, 4)
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
-    assert layer.backend == "aten" and layer._packed is None
+    assert not layer.takes(linear.ONEDNN_MIN_ROWS) and layer._packed is None
 
 
 def test_a_product_of_few_rows_multiplies_with_torch_and_packs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,6 +76,6 @@ def test_a_product_of_few_rows_multiplies_with_torch_and_packs_nothing(monkeypat
 def test_a_torch_build_without_the_ops_multiplies_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     layer = Linear(torch.randn(8, 4), None)
-    assert layer.backend == "aten"
+    assert not layer.takes(linear.ONEDNN_MIN_ROWS)
     x = torch.randn(5, 4)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))

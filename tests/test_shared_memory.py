@@ -168,9 +168,7 @@ def test_a_stream_takes_shared_memory_too(server: Running, region) -> None:
         c.stop_stream()
         for i in range(3):
             got = shm.get_contents_as_numpy(region, np.float32, [1, L, E], offset=8192 * (i + 1))
-            # Batched with each other, not alone as the reference: the same to float32 rounding (a CPU
-            # product's blocking may depend on the batch's rows: compute/linear.py).
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(got, expected)
     finally:
         c.unregister_system_shared_memory()
         c.close()

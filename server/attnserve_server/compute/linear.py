@@ -59,11 +59,6 @@ class Linear:
         self._packed: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    @property
-    def backend(self) -> str:
-        """onednn where products will run on oneDNN (this build has the ops), else aten."""
-        return "aten" if self._ops is None else "onednn"
-
     def _pack(self) -> torch.Tensor | None:
         with self._lock:
             if self._packed is not None or self._ops is None:

@@ -139,8 +139,8 @@ class DeviceWorker:
             for lane in self._lanes:
                 lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
         self._threads = threads if threads is not None else CpuThreads()
-        # A CPU batch's "every thread": what is configured, else the cores shared among the lanes.
-        self._most_threads = self._threads.count or max(1, DEFAULT_THREADS // self.lanes)
+        # A CPU batch's "every thread": what is configured, else the cores shared among the CPU lanes.
+        self._most_threads = self._threads.count or max(1, DEFAULT_THREADS // (1 if self._cuda else self.lanes))
         # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread
         # (and, on the CPU, per batch: compute/threads.py).
