@@ -162,7 +162,9 @@ def test_model_metadata_names_inputs_and_outputs_with_variable_dims(client: tc.I
         "key_lengths": ("INT64", [-1, 1]),
     }
     outputs = {t.name: (t.datatype, list(t.shape)) for t in meta.outputs}
-    assert outputs == {"output": ("FP32", [-1, -1, E]), "attention_weights": ("FP32", [-1, -1, -1, -1])}
+    # attention_weights only when asked for: a client that asks for every listed output (perf_analyzer
+    # does) would otherwise pay for the weights in every request
+    assert outputs == {"output": ("FP32", [-1, -1, E])}
     bare = {t.name: list(t.shape) for t in client.get_model_metadata("bare").inputs}
     assert bare["key"] == [-1, -1, E] and bare["value"] == [-1, -1, 16] and "key_value" not in bare
     cross = {t.name for t in client.get_model_metadata("cross").inputs}
@@ -181,7 +183,8 @@ def test_model_config_carries_batching_and_optional_inputs(client: tc.InferenceS
     assert inputs["key_value"].optional and inputs["key_padding_mask"].optional
     assert inputs["query"].data_type == triton_config.TYPE_FP32
     assert inputs["key_lengths"].data_type == triton_config.TYPE_INT64
-    assert [o.name for o in config.output] == ["output", "attention_weights"]
+    assert [o.name for o in config.output] == ["output"]
+    assert config.parameters["optional_outputs"].string_value == "attention_weights"
     assert config.instance_group[0].kind == triton_config.ModelInstanceGroup.KIND_CPU
     assert config.parameters["num_heads"].string_value == str(H)
     bare = {i.name: i for i in client.get_model_config("bare").config.input}

@@ -291,8 +291,9 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
     reference = AttentionCompute(spec, compute.params, tiled=False, cpu_matmul="aten")
     one_padded = torch.tensor([[False] * 60 + [True] * 4])
     with torch.inference_mode():
-        for n in (1, 4, 8, 16):  # scores of 128 KiB to 2 MiB: the tiled path from 1 MiB
-            x = torch.randn(n, 64, 256)
+        # a sequence's scores: 128 KiB (L=64), 512 KiB (L=128), 2 MiB (L=256): the tiled path from 1 MiB
+        for n, length in ((1, 64), (16, 64), (4, 128), (1, 256), (4, 256)):
+            x = torch.randn(n, length, 256)
             torch.testing.assert_close(
                 compute(x, None, None, None, False, False, False)[0],
                 reference(x, None, None, None, False, False, False)[0],
@@ -302,21 +303,21 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
         x = torch.randn(1, 64, 256)
         compute(x, None, None, one_padded, False, False, False)  # masked: tiled at any size
         compute(x, None, None, None, True, False, False)
-        compute(torch.randn(16, 64, 256), None, None, None, False, True, True)  # weights: fused
-    # the reference takes the fused kernel at every size; the model from 8 W1 sequences on does not
-    assert batches == [1, 1, 4, 4, 8, 16, 16]
+        compute(torch.randn(2, 256, 256), None, None, None, False, True, True)  # weights: fused
+    # the reference takes the fused kernel at every length; the model at L=256 only for weights
+    assert batches == [1, 1, 16, 16, 4, 4, 1, 4, 2]
 
 
 def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_products() -> None:
-    """Whichever products the tiled path multiplies with, it takes over at the same batch size."""
+    """Whichever products the tiled path multiplies with, it takes over at the same length."""
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
     params = random_projections(spec, 0)
     onednn = AttentionCompute(spec, params)  # the default
     aten = AttentionCompute(spec, params, cpu_matmul="aten")
     with torch.inference_mode():
-        for n in (1, 4, 8, 16):
-            x = torch.randn(n, 64, 256)
-            assert onednn._fused_pays(x, None, False, False) == aten._fused_pays(x, None, False, False) == (n < 8)
+        for n, length in ((1, 64), (16, 64), (8, 128), (1, 256), (4, 256)):
+            x = torch.randn(n, length, 256)
+            assert onednn._fused_pays(x, None, False, False) == aten._fused_pays(x, None, False, False) == (length < 256)
             torch.testing.assert_close(
                 onednn(x, None, None, None, False, False, False)[0],
                 aten(x, None, None, None, False, False, False)[0],

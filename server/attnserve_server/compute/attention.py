@@ -3,8 +3,8 @@
 Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
-holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only: larger
-or masked ones take the tiled path (`_tiled`: scaled_dot_product_attention between the two
+holds it (measured in BENCHMARKS.md). On the CPU that holds for unmasked batches of short sequences only:
+longer or masked ones take the tiled path (`_tiled`: scaled_dot_product_attention between the two
 projections, four calls into torch), which never holds a whole batch's scores. Cross attention,
 the bare operation and odd head counts take the explicit path below, as torch's module does. On the
 CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused
@@ -38,14 +38,15 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
 # On the CPU torch's fused kernel materialises every head's [L, S] scores for the whole batch and
 # rescales, soft-maxes and multiplies them in separate passes; scaled_dot_product_attention's CPU
-# kernel works through them in tiles. Measured in-process (BENCHMARKS.md, twenty-sixth pass, Intel
-# Xeon, AVX-512): W1 batches of 8-32 cost 0.72-0.90x as much per sequence on the tiled path, lone
-# W1 requests 1.03-1.15x, and any masked batch 0.64-0.88x. So an unmasked CPU batch takes the fused
-# kernel only while its scores stay under this many bytes (W1: up to 7 sequences, 128 KiB each). In
-# bfloat16 the two paths tied (0.90-1.16x, no trend), so the same bound serves it. With oneDNN's
-# products the tiled path computed W1 batches of 1-7 alone 3-13% faster than the fused kernel, but
-# under load tiling every batch served L=16 at concurrency 32 0.96x as much (its batches' four calls
-# into torch, against one), so the bound stays (BENCHMARKS.md, thirty-fourth pass).
+# kernel works through them in tiles. In-process (BENCHMARKS.md, twenty-sixth and thirty-fourth passes)
+# the tiled path computed W1 batches of 8-32 at 0.72-0.90x the fused kernel's cost a sequence, and any
+# masked batch at 0.64-0.88x. Under load the choice differs: through perf_analyzer at concurrency 32
+# (thirty-fifth pass, in pairs) the fused kernel served W1 1.16x and L=128 1.08x as much as the tiled
+# path, and L=256 0.85x and WL (E=1024, 16 heads, L=256) 0.80x. So an unmasked CPU batch takes the fused
+# kernel while one sequence's scores stay under this many bytes (W1 128 KiB, L=128 512 KiB; L=256
+# 2 MiB and WL 4 MiB take the tiled path), whatever the batch size. (Earlier passes bounded the whole
+# batch's scores, to 1 MiB; their perf_analyzer runs could not tell, as every request they sent asked
+# for the attention weights, which only the fused kernel and the explicit path give: edge/kserve.py.)
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 
 
@@ -128,8 +129,8 @@ class AttentionCompute:
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
-        n, length, _ = query.shape
-        return n * self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES
+        length = query.shape[1]
+        return self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it

@@ -2,8 +2,8 @@
 
 A model's inputs are named as the native API names them (query, key_value or key
 and value, key_padding_mask or key_lengths); the request parameters causal,
-need_weights and average_weights are bools; outputs are `output` and, when asked,
-`attention_weights`. Every model has max_batch_size > 0, so every tensor's first
+need_weights and average_weights are bools; outputs are `output` and, when asked (by name or
+with need_weights; metadata lists only `output`: see `_outputs`), `attention_weights`. Every model has max_batch_size > 0, so every tensor's first
 dim is the batch of sequences, as Triton's tools expect.
 """
 
@@ -421,9 +421,17 @@ def _inputs(spec: ModelSpec) -> list[_Tensor]:
 
 
 def _outputs(spec: ModelSpec) -> list[_Tensor]:
-    dt = spec.dtype.name
-    # attention_weights: [heads, L, S], heads = num_heads or 1 when averaged.
-    return [_Tensor(OUTPUT, dt, (-1, spec.output_dim)), _Tensor(WEIGHTS, dt, (-1, -1, -1), optional=True)]
+    """The outputs that metadata and config list: those a request that names none gets, as KServe v2
+    has it ("all outputs produced by the model"). attention_weights ([heads, L, S], heads = num_heads or
+    1 when averaged) is not among them: it is an extra a request asks for by name or with need_weights
+    (the config's `optional_outputs` parameter names it). Generic clients ask for every listed output in
+    every request: perf_analyzer did, and so made every request compute and carry the weights, which
+    cost W1 at concurrency 32 up to 16% of its throughput and WL ~25% (BENCHMARKS.md, thirty-fifth pass)."""
+    return [_Tensor(OUTPUT, spec.dtype.name, (-1, spec.output_dim))]
+
+
+# Outputs a request may name beyond _outputs, for the config's `optional_outputs` parameter.
+OPTIONAL_OUTPUTS = (WEIGHTS,)
 
 
 def model_metadata(spec: ModelSpec) -> v2.ModelMetadataResponse:
@@ -473,6 +481,7 @@ def model_config(spec: ModelSpec, settings: ModelSettings, devices: list[str]) -
         "max_query_len": spec.max_query_len,
         "max_key_len": spec.max_key_len,
         "max_batch_tokens": spec.max_batch_tokens,
+        "optional_outputs": ",".join(OPTIONAL_OUTPUTS),
     }
     for key, value in params.items():
         config.parameters[key].string_value = str(value)
