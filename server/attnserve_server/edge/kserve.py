@@ -425,8 +425,9 @@ def _outputs(spec: ModelSpec) -> list[_Tensor]:
     has it ("all outputs produced by the model"). attention_weights ([heads, L, S], heads = num_heads or
     1 when averaged) is not among them: it is an extra a request asks for by name or with need_weights
     (the config's `optional_outputs` parameter names it). Generic clients ask for every listed output in
-    every request: perf_analyzer did, and so made every request compute and carry the weights, which
-    cost W1 at concurrency 32 up to 16% of its throughput and WL ~25% (BENCHMARKS.md, thirty-fifth pass)."""
+    every request: perf_analyzer did, so every request it sent computed and carried the weights. Once
+    it stopped (with compute/attention.py's choice of kernel made anew), it drove WL at concurrency 32
+    21% and L=512 at concurrency 16 40% faster, in pairs (BENCHMARKS.md, thirty-fifth pass)."""
     return [_Tensor(OUTPUT, spec.dtype.name, (-1, spec.output_dim))]
 
 
