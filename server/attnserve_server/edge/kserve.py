@@ -2,9 +2,10 @@
 
 A model's inputs are named as the native API names them (query, key_value or key
 and value, key_padding_mask or key_lengths); the request parameters causal,
-need_weights and average_weights are bools; outputs are `output` and, when asked (by name or
-with need_weights; metadata lists only `output`: see `_outputs`), `attention_weights`. Every model has max_batch_size > 0, so every tensor's first
-dim is the batch of sequences, as Triton's tools expect.
+need_weights and average_weights are bools; outputs are `output` and, when asked (by name
+or with need_weights; metadata lists only `output`: see `_outputs`), `attention_weights`.
+Every model has max_batch_size > 0, so every tensor's first dim is the batch of sequences,
+as Triton's tools expect.
 """
 
 from __future__ import annotations
