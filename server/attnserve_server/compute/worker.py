@@ -108,8 +108,10 @@ class DeviceWorker:
 
     Several CPU lanes trade batch size for independence: each lane computes whole batches on its own
     thread, so no lane's thread waits at another's OpenMP barriers when the loop or a client preempts
-    it. On 2 cores (BENCHMARKS.md, thirty-fourth pass) two lanes of one thread served WL at concurrency
-    32 7-8% more than one lane of two, and W1 0.90x, its batches half the size."""
+    it. On 2 cores (BENCHMARKS.md, thirty-fourth pass, perf_analyzer then asking for the attention
+    weights too) two lanes of one thread served WL at concurrency 32 7-8% more than one lane of two, and
+    W1 0.90x, its batches half the size; with the output alone (thirty-fifth pass, single runs) WL
+    reached 0.89 of the in-process limit on two lanes against 0.81-0.82 on one."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, threads: CpuThreads | None = None
