@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# A paired A/B on a noisy machine: two servers run at once, and perf_analyzer (KServe v2, sync) drives
-# them in turn, A then B, then B then A, N times. The host's slow and fast phases then fall on both
-# arms alike; compare the pairs, not runs minutes apart. The idle server sleeps meanwhile (its idle
-# spinners stop 2 ms after its last request). Prints one line per pair: "req/s/p50 µs" of each arm,
-# then the medians of B/A over the pairs.
+# A paired A/B on a noisy machine: two servers run at once, and perf_analyzer (KServe v2, sync unless
+# PA_FLAGS say otherwise) drives them in turn, A then B, then B then A, N times. The host's slow and
+# fast phases then fall on both arms alike; compare the pairs, not runs minutes apart. The idle server
+# sleeps meanwhile (its idle spinners stop 2 ms after its last request).
+# Prints one line per pair: "req/s/p50 µs" of each arm, then the medians of B/A over the pairs.
 #
 #   A="VAR=x ..." B="VAR=y ..." ARGS_A="serve flags" ARGS_B="serve flags" scripts/pair.sh
 #   (A and B go before the server command through env: variables, or a command, e.g. B="taskset -c 0")
 #   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
-#        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three),
+#        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three), PA_FLAGS (more perf_analyzer
+#        flags, e.g. --async),
 #        PEER_A (inline, batcher or echo: arm A is that peer server of ../shared/peers instead, the same
 #        shape on 2 intra-op threads, after ../shared/peers/setup.sh; A and ARGS_A then do not apply)
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000" C=1 L=256 scripts/pair.sh
@@ -50,7 +51,7 @@ one() {  # PORT: the arm's "req/s/p50 µs"
   local data=(-m default --input-data "$OUT/query.json")
   [ -n "${PEER_A:-}" ] && [ "$1" = "$PORT_A" ] && data=(-m mha --shape "X:$L,$E")
   scripts/perf_analyzer.sh --run "${data[@]}" -u "127.0.0.1:$1" -i grpc \
-    --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 2>&1 |
+    --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 ${PA_FLAGS:-} 2>&1 |
     awk '/Throughput:/ {t = $2} /p50 latency:/ {p = $3} END {printf "%d/%s", t, p}'
 }
 for i in $(seq "${N:-6}"); do
