@@ -41,7 +41,10 @@ as probes, and a lone request between batches of several (about one batch in ten
 was still timed on its own: each woke the partner, which then spun on the loop's core. So while
 batches of several are short of cores, every thread is probed SHORT_PROBE_FACTOR times less often,
 and a lone request within LONE_UNDER_LOAD of a batch of several runs on one thread. W1 at concurrency
-32 then served as much as `--torch-threads 1` (1.017 in pairs, against 0.942 before).
+32 then served as much as `--torch-threads 1` (1.017 in pairs, against 0.942 before). Those pairs ran
+while perf_analyzer also asked for the attention weights; without them (thirty-sixth pass) the server
+ran 99% of W1's batches at concurrency 32 on one thread, and `--torch-threads 1` served 1.046x the
+default in pairs (6 of 8), within the pairs' noise of a few percent.
 
 A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
 decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran

@@ -10,7 +10,11 @@ on the AMD VM, where a pause takes 31 ns), set explicitly with OMP_WAIT_POLICY=A
 on the AMD VM (twenty-first pass) W1 computed after a 3 ms pause in 1488 µs on two threads that
 spun, and in 2928 on two threads that slept after 1000 pauses (the seventeenth to twentieth passes'
 setting), 2117 on one. In paired runs against that short spin, W1 at concurrency 1 served with an
-11% lower p50, and at concurrency 32 the same (1.000 over six pairs).
+11% lower p50, and at concurrency 32 the same (1.000 over six pairs). Those pairs ran while
+perf_analyzer also asked for the attention weights. Without them (thirty-sixth pass) the short spin's
+p50 at concurrency 1 read 1.12x the long spin's over 8 pairs, but two identical servers read 1.13x in
+the same hour, so that re-run tells nothing; WL (E=1024, L=256) at concurrency 32 served 0.985x the
+long spin's requests (4 pairs, async).
 
 A spin is long only in one pool. Every thread that runs a parallel region keeps a pool of its own,
 and with more pool threads than CPUs libgomp cuts every spin to its "throttled" count: 100 pauses,
