@@ -50,6 +50,7 @@ wait_healthy $SB "$PORT_B" "$OUT/b.log"
 one() {  # PORT: the arm's "req/s/p50 µs"
   local data=(-m default --input-data "$OUT/query.json")
   [ -n "${PEER_A:-}" ] && [ "$1" = "$PORT_A" ] && data=(-m mha --shape "X:$L,$E")
+  # shellcheck disable=SC2086 # PA_FLAGS are words on purpose
   scripts/perf_analyzer.sh --run "${data[@]}" -u "127.0.0.1:$1" -i grpc \
     --concurrency-range "${C:-1}:${C:-1}" --measurement-interval "${PA_MS:-2000}" -s 1000 -r 3 ${PA_FLAGS:-} 2>&1 |
     awk '/Throughput:/ {t = $2} /p50 latency:/ {p = $3} END {printf "%d/%s", t, p}'

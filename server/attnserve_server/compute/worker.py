@@ -111,7 +111,8 @@ class DeviceWorker:
     it. On 2 cores (BENCHMARKS.md, thirty-fourth pass, perf_analyzer then asking for the attention
     weights too) two lanes of one thread served WL at concurrency 32 7-8% more than one lane of two, and
     W1 0.90x, its batches half the size; with the output alone (thirty-fifth pass, single runs) WL
-    reached 0.89 of the in-process limit on two lanes against 0.81-0.82 on one."""
+    reached 0.89 of the in-process limit on two lanes against 0.81-0.82 on one, and in pairs served
+    1.062x one lane (thirty-sixth pass, perf_analyzer async, 4 of 4)."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, threads: CpuThreads | None = None
