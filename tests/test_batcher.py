@@ -754,3 +754,109 @@ def test_a_runner_that_dies_mid_batch_answers_that_batch_and_stops_the_batcher()
         await stop(b, threads)
 
     run(main())
+
+
+class PairedRunner:
+    """A runner that may pair (Batcher.serve's `shared`): records each batch as ("whole" | "shared",
+    items); each run waits for a permit of its own the test releases, so batches end when it says."""
+
+    def __init__(self, log: list[tuple[str, str, list[object]]], name: str) -> None:
+        self.log, self.name = log, name
+        self.permits = threading.Semaphore(0)
+        self.started = 0
+
+    def _run(self, kind: str, items: list[object]) -> list[object]:
+        self.log.append((self.name, kind, list(items)))
+        self.started += 1
+        assert self.permits.acquire(timeout=WAIT_S * 4), "the test never let the batch end"
+        return [("done", item) for item in items]
+
+    def whole(self, items: list[object]) -> list[object]:
+        return self._run("whole", items)
+
+    def shared(self, items: list[object]) -> list[object]:
+        return self._run("shared", items)
+
+
+def start_pair(b: Batcher) -> tuple[PairedRunner, PairedRunner, list, list[threading.Thread]]:
+    """Starts the batcher with a first runner and a second one (pairing)."""
+    log: list[tuple[str, str, list[object]]] = []
+    first, second = PairedRunner(log, "first"), PairedRunner(log, "second")
+    b.start()
+    threads = [
+        threading.Thread(target=b.serve, args=(first.whole,), kwargs={"shared": first.shared}, daemon=True),
+        threading.Thread(
+            target=b.serve, args=(second.whole,), kwargs={"shared": second.shared, "second": True}, daemon=True
+        ),
+    ]
+    for t in threads:
+        t.start()
+    return first, second, log, threads
+
+
+def test_pairing_splits_a_batch_of_twice_pair_work_into_halves_that_compute_side_by_side() -> None:
+    async def main() -> None:
+        b = Batcher(limits(pair_work=10, max_batch_size=64))
+        first, second, log, threads = start_pair(b)
+        blocker = submit(b, "block", work=5)  # short of 2 x 10: whole, on the first runner
+        await until(lambda: first.started == 1)
+        rest = [submit(b, x, work=5) for x in "abcdefgh"]  # 40 together
+        await until(lambda: b.depth == 8)
+        assert second.started == 0  # the first runner holds every thread: the second takes nothing
+        first.permits.release()
+        await until(lambda: first.started == 2 and second.started == 1)  # both halves computing at once
+        assert log[1:] == [("first", "shared", list("abcd")), ("second", "shared", list("efgh"))]
+        # While the second computes its half, a free first runner takes what arrives as shared too.
+        first.permits.release()
+        await asyncio.gather(blocker, *rest[:4])
+        late = submit(b, "i", work=5)
+        await until(lambda: first.started == 3)
+        assert log[3] == ("first", "shared", ["i"])
+        second.permits.release()
+        first.permits.release()
+        assert await asyncio.gather(*rest[4:], late) == [("done", x) for x in "efghi"]
+        # Both idle again: a batch short of twice pair_work computes whole.
+        small = [submit(b, x, work=5) for x in "jk"]
+        await until(lambda: first.started == 4)
+        first.permits.release()
+        await asyncio.gather(*small)
+        assert log[4] == ("first", "whole", ["j", "k"]) and second.started == 1
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_without_pair_work_a_second_runner_takes_nothing_and_batches_stay_whole() -> None:
+    async def main() -> None:
+        b = Batcher(limits(max_batch_size=64))
+        first, second, log, threads = start_pair(b)
+        blocker = submit(b, "block", work=50)
+        assert second.started == 0
+        await until(lambda: first.started == 1)
+        rest = [submit(b, x, work=50) for x in "abcd"]
+        await until(lambda: b.depth == 4)
+        first.permits.release(2)
+        await asyncio.gather(blocker, *rest)
+        assert log == [("first", "whole", ["block"]), ("first", "whole", list("abcd"))] and second.started == 0
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_drain_runs_both_halves_of_a_paired_batch_and_stops_both_runners() -> None:
+    async def main() -> None:
+        b = Batcher(limits(pair_work=1, max_batch_size=64))
+        first, second, log, threads = start_pair(b)
+        blocker = submit(b, "block")
+        await until(lambda: first.started == 1)
+        rest = [submit(b, x, work=1) for x in "abcd"]
+        await until(lambda: b.depth == 4)
+        first.permits.release(5)
+        second.permits.release(5)
+        assert await b.drain(WAIT_S) is True
+        assert await asyncio.gather(blocker, *rest) == [("done", x) for x in ["block", *"abcd"]]
+        assert log[1][1] == "shared"  # a paired half; the runners then race for the rest
+        assert sorted(x for _, _, items in log[1:] for x in items) == list("abcd")  # each once
+        await stop(b, threads)
+
+    run(main())

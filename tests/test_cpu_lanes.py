@@ -1,4 +1,5 @@
-"""`cpu_lanes`: a CPU worker computing several batches at once, each on a thread of its own."""
+"""`cpu_lanes`: a CPU worker computing several batches at once, each on a thread of its own; and
+`cpu_pair_macs`: one lane whose large batches split into two halves computing side by side (pairing)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 import torch
 
 from attnserve import Client
+from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DEFAULT_THREADS, DeviceWorker
 from attnserve_server.errors import ConfigError
 from attnserve_server.model import spec_from_settings
 from attnserve_server.settings import ModelSettings, validate
 
-from conftest import model, running, settings
+from conftest import model, output_of, request, running, settings
 
 E, H = 16, 2
 HELD_LEN = 50  # a batch with a query this long waits for HoldingWorker.release
@@ -69,3 +71,67 @@ def test_lanes_share_the_cores_unless_threads_are_configured() -> None:
         worker.close()
     with pytest.raises(ConfigError, match=r"cpu_lanes: expected >= 1, got 0"):
         validate(settings(model(cpu_lanes=0)))
+
+
+def test_pairing_gives_one_lane_of_several_threads_a_second_runner_on_half_of_them() -> None:
+    def worker(threads: int | None, **fields: int) -> DeviceWorker:
+        spec = spec_from_settings(ModelSettings(embed_dim=E, num_heads=H, device=("cpu",), **fields))
+        return DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(threads))
+
+    for threads, fields, runners in [
+        (2, {"cpu_pair_macs": 1}, 2),
+        (2, {"cpu_pair_macs": 0}, 1),  # off
+        (1, {"cpu_pair_macs": 1}, 1),  # one thread: nothing to share
+        (2, {"cpu_pair_macs": 1, "cpu_lanes": 2}, 2),  # two lanes, no pairing
+    ]:
+        w = worker(threads, **fields)
+        try:
+            assert (w.runners, w.pairs) == (runners, runners == 2 and w.lanes == 1), (threads, fields)
+        finally:
+            w.close()
+    w = worker(2, cpu_pair_macs=1)
+    try:
+        rng = np.random.default_rng(1)
+        batch = [request(rng.standard_normal((1, 7, E), dtype=np.float32)) for _ in range(3)]
+        whole, shared = w.run(batch), w.run_shared(batch)
+        for a, b in zip(whole, shared, strict=True):
+            np.testing.assert_allclose(output_of(b), output_of(a), rtol=1e-5, atol=1e-6)
+        assert not whole[0].batch.paired
+        assert (shared[0].batch.threads, shared[0].batch.paired) == (1, True)
+    finally:
+        w.close()
+    with pytest.raises(ConfigError, match=r"cpu_pair_macs: expected >= 0, got -1"):
+        validate(settings(model(cpu_pair_macs=-1)))
+
+
+def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_server() -> None:
+    HoldingWorker.started.clear()
+    HoldingWorker.release.clear()
+    HoldingWorker.ran_on = []
+    rng = np.random.default_rng(2)
+    # Every batch of two or more requests splits (pair_work 1); no pipelining cap, so the four queued
+    # below form one batch; no solo runs, which would hold the event loop itself.
+    config = settings(
+        model(embed_dim=E, num_heads=H, device=("cpu",), cpu_pair_macs=1, pipeline=False, max_queue_delay_ms=0),
+        torch_threads=2,
+        solo_macs=0,
+    )
+    xs = [rng.standard_normal((1, 5, E), dtype=np.float32) for _ in range(4)]
+    with running(config, worker_factory=HoldingWorker) as h, Client(h.target) as c:
+        warm_up = len(HoldingWorker.ran_on)
+        with ThreadPoolExecutor(5) as pool:
+            held = pool.submit(c.attend, rng.standard_normal((1, HELD_LEN, E), dtype=np.float32))
+            try:
+                assert HoldingWorker.started.wait(20)
+                queued = [pool.submit(c.attend, x) for x in xs]
+                h.wait_for(lambda: h.sample("attnserve_queue_depth", model="default") == 4)
+            finally:
+                HoldingWorker.release.set()
+            paired = [f.result(timeout=20).output for f in queued]
+            held.result(timeout=20)
+        served = HoldingWorker.ran_on[warm_up:]
+        assert len(served) == 3 and len(set(served[1:])) == 2  # the held batch, then two halves on two threads
+        assert h.sample("attnserve_cpu_paired_batches_total", model="default", device="cpu") == 2
+        assert h.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="1") >= 2
+        for x, out in zip(xs, paired, strict=True):  # each answer as the request alone gets it
+            np.testing.assert_allclose(out, c.attend(x).output, rtol=1e-5, atol=1e-6)

@@ -40,12 +40,25 @@ more, without the pipelining cap, which would otherwise hold such batches at one
 L=16 at concurrency 64 served 18% more while the host was fast and about the same while it was slow,
 when slower batches gather more requests anyway (BENCHMARKS.md, twenty-third pass).
 
+Pairing (`BatchLimits.pair_work`; a runner that passes `shared`, and a `second` runner): a CPU batch
+on several intra-op threads meets at a barrier after every parallel loop, and a thread that the event
+loop, gRPC or a client preempts leaves the others waiting there. Two batches side by side on a share
+of the threads each wait for nobody. So a batch of at least twice `pair_work`, taken while no other
+computes, splits in two of about equal work: the first runner computes the first half and the second
+runner the rest, each `shared`. While a shared batch computes, a runner that frees takes what is queued
+as shared too, so under load the two stay paired; a first runner that frees while the second idles
+takes its next batch whole (on every thread), or splits it again. A second runner takes only shared
+batches, and only while one computes: a whole batch has every thread. On the 2-vCPU VM (BENCHMARKS.md,
+thirty-seventh pass) pairing served WL at concurrency 4 to 32 3-8% more in pairs, and L=256 and L=512 at
+16 to 32 and E=1024 L=64 at 32 11-16% more; batches of less work than W1's at concurrency 32 do not split.
+
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
 
-Threads: one lock guards the queue, and idle runners wait on its condition. Everything the batcher
-tells the rest of the server (observer reports, queue listeners, answers) happens on the event
-loop: a runner posts one callback per batch.
+Threads: one lock guards the queue, and idle runners wait on its condition (a second runner on one
+of its own, so that a notify meant for a runner that may take the batch never wakes one that may
+not). Everything the batcher tells the rest of the server (observer reports, queue listeners,
+answers) happens on the event loop: a runner posts one callback per batch.
 """
 
 from __future__ import annotations
@@ -94,6 +107,9 @@ class BatchLimits:
     # With `pipeline`, a batch of several closes once it holds this much work (the items' `work`) and at
     # least PIPELINE_MIN_SEQUENCES sequences (module docstring). 0: no such bound.
     pipeline_work: int = 0
+    # Pairing (module docstring): a batch of at least twice this much work, taken while no other batch
+    # computes, splits into two halves that compute side by side on a share of the threads each. 0: never.
+    pair_work: int = 0
 
 
 # A call the caller cancels this close to its deadline is counted as expired, not cancelled: the
@@ -162,6 +178,7 @@ class _Entry(Generic[T]):
 class _Batch(Generic[T]):
     entries: list[_Entry[T]]
     waits_s: list[float]  # each entry's time in the queue
+    shared: bool = False  # computes on a share of the worker's threads, beside another batch (pairing)
     items: list[T] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -187,7 +204,9 @@ class Batcher(Generic[T, R]):
         self._limits = limits
         self._observer = observer or _NoObserver()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._cond = threading.Condition(threading.Lock())  # never taken twice by one thread
+        lock = threading.Lock()  # never taken twice by one thread
+        self._cond = threading.Condition(lock)  # where idle runners wait
+        self._second_cond = threading.Condition(lock)  # where an idle second runner waits (pairing)
         # Under the lock: the queue, and the batches taken and not yet answered.
         self._groups: dict[Hashable, deque[_Entry[T]]] = {}
         self._depth = 0
@@ -195,6 +214,8 @@ class Batcher(Generic[T, R]):
         self._last_taken = 0  # requests in the batch taken last (pipelining counts them as in play)
         self._admitted = 0  # items ever queued: a runner counts those that arrived while it computed
         self._in_flight: set[_Batch[T]] = set()
+        self._sharing = 0  # shared batches computing now (pairing)
+        self._seconds = 0  # second runners serving (pairing)
         self._closing = False  # draining: no new items, and queued ones run without their delay
         self._stopped = False  # closed: runners return
         self._broken: ServingError | None = None
@@ -279,6 +300,8 @@ class Batcher(Generic[T, R]):
                 self._depth += 1
                 self._admitted += 1
                 self._cond.notify()
+                if self._sharing:
+                    self._second_cond.notify()
         if refused is not None:
             self._refuse(*refused)
         self._report_depth()
@@ -382,25 +405,37 @@ class Batcher(Generic[T, R]):
 
     # -- the runners' side (on each runner's thread) ---------------------------------------
 
-    def serve(self, run: Runner, done: BatchDone | None = None) -> None:
+    def serve(
+        self, run: Runner, done: BatchDone | None = None, *, shared: Runner | None = None, second: bool = False
+    ) -> None:
         """Takes batches and runs them on the calling thread until the batcher stops.
 
         Called once per runner, on the runner's own thread (a device worker's lane), after `start`.
         Each batch's results go to the loop in one callback; `done`, if given, hears of it there first.
+        Pairing (module docstring): `shared` runs a batch on a share of the worker's threads, beside
+        another; a `second` runner takes only such batches, and only while a first one computes one.
         """
         loop = self._loop
         assert loop is not None, "start() the batcher on its event loop first"
+        assert shared is not None or not second, "a second runner computes shared batches only"
+        pairs = shared is not None and self._limits.pair_work > 0
+        if second:
+            with self._cond:
+                self._seconds += 1
         batch: _Batch[T] | None = None  # taken and not yet handed back
         busy = False  # requests arrived while this runner computed its last batch
         try:
-            while (taking := self._take(busy)) is not None:
+            while (taking := self._take(busy, pairs, second)) is not None:
                 batch, admitted = taking
                 results: list[R] | None = None
                 error: BaseException | None = None
                 try:
-                    results = run(batch.items)
+                    results = shared(batch.items) if batch.shared and shared is not None else run(batch.items)
                 except Exception as exc:  # the batch's failure, not the runner's: it serves on
                     error = exc
+                if batch.shared:
+                    with self._cond:
+                        self._sharing -= 1
                 # Counted before the answers go out: a lone client's next request, sent once it has
                 # its answer, must not count, however late this thread reaches its next batch.
                 busy = self._admitted > admitted
@@ -412,16 +447,22 @@ class Batcher(Generic[T, R]):
                 self._post(loop, self._batch_done, batch, None, exc, done)
             if not self._post(loop, self._die, exc):  # _die logs it, on the loop
                 log.critical("the batcher failed after its event loop closed", exc_info=exc)
+        finally:
+            if second:
+                with self._cond:
+                    self._seconds -= 1
 
-    def _take(self, busy: bool) -> tuple[_Batch[T], int] | None:
+    def _take(self, busy: bool, pairs: bool = False, second: bool = False) -> tuple[_Batch[T], int] | None:
         """Waits for a batch that may run now and takes it out of the queue: the batch, and the
         admissions so far; None once stopped. `busy`: requests arrived while this runner computed its
-        previous batch (it may linger)."""
+        previous batch (it may linger). `pairs`: this runner may split a batch or share the threads;
+        `second`: it takes only shared batches, while a first runner computes one (pairing)."""
         limits = self._limits
         delay = limits.max_queue_delay_s
         loop = self._loop
         assert loop is not None
-        with self._cond:
+        cond = self._second_cond if second else self._cond
+        with cond:
             # Requests arrived while this runner computed its last batch: clients are ahead of it,
             # so a small batch may wait for more (lingering, the module docstring).
             linger = limits.max_linger_s if busy else 0.0
@@ -429,8 +470,10 @@ class Batcher(Generic[T, R]):
                 if self._stopped or self._broken is not None or loop.is_closed():
                     return None
                 head = self._oldest()
-                if head is None:
-                    self._cond.wait(IDLE_CHECK_S)
+                # A second runner waits while no shared batch computes: the first runner then has, or
+                # is about to take, every thread.
+                if head is None or (second and not self._sharing):
+                    cond.wait(IDLE_CHECK_S)
                     continue
                 now = time.monotonic()
                 count, full, work = self._plan(head.group)
@@ -441,13 +484,22 @@ class Batcher(Generic[T, R]):
                     if not full and work < limits.linger_work:
                         close_at = max(close_at, head.enqueued + linger)
                 if not (full or self._closing or close_at <= now):
-                    self._cond.wait(close_at - now)
+                    cond.wait(close_at - now)
                     continue
+                shared = second or (pairs and self._sharing > 0)  # beside a shared batch computing now
+                split = pairs and not shared and self._seconds > 0 and count > 1 and 0 < 2 * limits.pair_work <= work
+                if split:
+                    count = self._half(head.group, count, work)
                 batch = self._pop(head.group, count, now)
                 if self._groups:
                     self._cond.notify()  # more may run: another idle runner's turn
                 if batch.entries:
                     self._in_flight.add(batch)
+                    if shared or split:
+                        batch.shared = True
+                        self._sharing += 1
+                        if self._groups:
+                            self._second_cond.notify()  # the rest may compute beside it
                     return batch, self._admitted
 
     def _oldest(self) -> _Entry[T] | None:
@@ -481,6 +533,16 @@ class Batcher(Generic[T, R]):
             if most_work and work >= most_work and sequences >= PIPELINE_MIN_SEQUENCES:
                 return count, True, work
         return count, False, work
+
+    def _half(self, group: Hashable, count: int, work: int) -> int:
+        """How many of the first `count` entries of `group` hold at least half of their `work` (pairing's
+        first half; fewer than `count`)."""
+        taken = done = 0
+        for entry in self._groups[group]:
+            if taken and (done >= work / 2 or taken + 1 >= count):
+                break
+            taken, done = taken + 1, done + entry.work
+        return taken
 
     def _pop(self, key: Hashable, count: int, now: float) -> _Batch[T]:
         """The first `count` entries of a group, less those whose deadline has passed (they are
@@ -549,6 +611,7 @@ class Batcher(Generic[T, R]):
         with self._cond:
             self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
             self._cond.notify_all()
+            self._second_cond.notify_all()
         self._fail_queued(self._broken)
 
     def _fail_queued(self, error: Exception) -> None:
@@ -589,6 +652,7 @@ class Batcher(Generic[T, R]):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._second_cond.notify_all()
         self._report_depth()
 
         async def settled() -> None:
@@ -619,3 +683,4 @@ class Batcher(Generic[T, R]):
         with self._cond:
             self._closing = self._stopped = True
             self._cond.notify_all()
+            self._second_cond.notify_all()

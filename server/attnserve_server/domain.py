@@ -40,6 +40,7 @@ class ModelSpec:
     cuda_graphs: bool = False  # replay small unmasked batches as CUDA graphs (compute/graphs.py)
     cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
     cpu_lanes: int = 1  # batches a CPU worker computes at once (compute/worker.py)
+    cpu_pair_macs: int = 0  # with one CPU lane: pairing's threshold (batching.py, compute/worker.py)
 
     @property
     def self_attention(self) -> bool:
@@ -182,6 +183,7 @@ class BatchReport:
     padded_tokens: int  # query tokens computed, padding included (sequences x longest query)
     padding_fraction: float  # share of padded query and key positions
     threads: int = 0  # intra-op threads a CPU batch ran on (0: not a CPU batch)
+    paired: bool = False  # a CPU batch computed beside another, on a share of the threads (pairing)
 
 
 @dataclass(frozen=True, slots=True)

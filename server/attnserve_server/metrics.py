@@ -215,6 +215,7 @@ class ModelMetrics:
         self.solo_batches = 0
         self.compute_duration: dict[str, FastHistogram] = {}  # device -> seconds a batch
         self.cpu_batches: dict[tuple[str, int], int] = {}  # (device, intra-op threads) -> batches
+        self.paired_batches: dict[str, int] = {}  # device -> CPU batches computed beside another
         self.batch_failures: dict[str, int] = {}  # device -> batches that raised
         self.stats = InferenceStats()
         # The request path's series: plain numbers, written on the event loop only (see Metrics).
@@ -255,6 +256,8 @@ class ModelMetrics:
         if report.threads:
             key = (device, report.threads)
             self.cpu_batches[key] = self.cpu_batches.get(key, 0) + 1
+            if report.paired:
+                self.paired_batches[device] = self.paired_batches.get(device, 0) + 1
         stats = self.stats
         stats.compute.add(report, report.requests)
         by_size = stats.by_batch_size.get(report.sequences)
@@ -464,6 +467,11 @@ class _BatchCollector(Collector):
             "CPU batches computed, by the intra-op threads each ran on (compute/threads.py chooses).",
             labels=["model", "device", "threads"],
         )
+        paired = CounterMetricFamily(
+            "attnserve_cpu_paired_batches",
+            "CPU batches computed beside another on a share of the threads (pairing: cpu_pair_macs).",
+            labels=["model", "device"],
+        )
         solo = CounterMetricFamily(
             "attnserve_solo_batches",
             "Lone requests computed on the event loop while the server was quiet (solo runs), batches of one.",
@@ -484,9 +492,11 @@ class _BatchCollector(Collector):
                 compute.add_metric([m.model, device], *_histogram(h))
             for (device, threads), n in list(m.cpu_batches.items()):
                 cpu.add_metric([m.model, device, str(threads)], n)
+            for device, n in list(m.paired_batches.items()):
+                paired.add_metric([m.model, device], n)
             for device, n in list(m.batch_failures.items()):
                 failures.add_metric([m.model, device], n)
-        yield from (compute, requests, sequences, tokens_per_batch, padding, tokens, failures, cpu, solo)
+        yield from (compute, requests, sequences, tokens_per_batch, padding, tokens, failures, cpu, paired, solo)
 
 
 class _CudaMemoryCollector(Collector):

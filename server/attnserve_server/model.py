@@ -59,6 +59,7 @@ def spec_from_settings(
         cuda_graphs=settings.cuda_graphs,
         cpu_matmul=settings.cpu_matmul,
         cpu_lanes=settings.cpu_lanes,
+        cpu_pair_macs=settings.cpu_pair_macs,
     )
 
 
@@ -77,6 +78,7 @@ def limits_from_settings(settings: ModelSettings, cpu: bool = True) -> BatchLimi
         linger_work=b.linger_macs,
         max_linger_s=b.max_linger_ms / 1e3,
         pipeline_work=b.pipeline_macs if cpu else 0,
+        pair_work=settings.cpu_pair_macs if cpu else 0,
     )
 
 
@@ -138,7 +140,7 @@ class ServedModel:
             await asyncio.to_thread(loader.shutdown)  # the thread, and its pool, gone
         for worker in self._workers:
             # Every lane's thread warms up (submitted at once, each warm-up starts a thread of its own).
-            await asyncio.gather(*(loop.run_in_executor(worker.executor, worker.warmup) for _ in range(worker.lanes)))
+            await asyncio.gather(*(loop.run_in_executor(worker.executor, worker.warmup) for _ in range(worker.runners)))
         self.devices = [w.name for w in self._workers]
         b = self.settings.batching
         self._batcher = Batcher(self.limits, self.metrics)
@@ -149,8 +151,8 @@ class ServedModel:
         # Each lane's thread serves the batcher for good, taking its next batch itself the moment it
         # is free: a CUDA worker takes its next batch while its last one computes.
         for w in self._workers:
-            for _ in range(w.lanes):
-                w.executor.submit(self._batcher.serve, w.run, self._reporter(w))
+            for _ in range(w.runners):
+                w.executor.submit(w.serve, self._batcher.serve, self._reporter(w))
         self.metrics.describe(
             queue_capacity=b.max_queue_size,
             kind=self.spec.kind.value,

@@ -35,6 +35,11 @@ MAX_LINGER_MS = 1.0
 # sequences (batching.py). Off by default: 400 M served L=256 at concurrency 32 1.12x more, W1 the
 # same and WL 0.93-0.98x (BENCHMARKS.md, thirty-first pass).
 PIPELINE_MACS = 0
+# Pairing (batching.py): a CPU batch of at least twice this many multiply-adds, taken while no other
+# computes, splits into two halves computing side by side on half the threads each. 400 M: W1's batches
+# at concurrency 32 (~300 M) stay whole, where 100 M served 0.965x in pairs; L=256's (~1.6 G) split, 1.164x
+# (BENCHMARKS.md, thirty-seventh pass).
+CPU_PAIR_MACS = 400_000_000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -94,6 +99,10 @@ class ModelSettings:
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
     cpu_lanes: int = 1
+    # With one CPU lane of several threads: a batch of at least twice this many multiply-adds, taken while
+    # no other computes, splits in two that compute side by side, each on half the threads (batching.py,
+    # pairing). 0: never.
+    cpu_pair_macs: int = CPU_PAIR_MACS
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
@@ -318,6 +327,13 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         int,
         "batches a CPU worker computes at once, each on its own thread, as Triton's instance count (default 1)",
+    ),
+    Option(
+        "cpu-pair-macs",
+        "model",
+        int,
+        "with one CPU lane: a batch of at least twice this many multiply-adds, taken while no other computes,"
+        f" splits into two that compute side by side on half the threads each; 0: never (default {CPU_PAIR_MACS})",
     ),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
@@ -599,6 +615,7 @@ def validate(settings: ServerSettings) -> None:
             f"{at}.cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {m.cpu_matmul!r}",
         )
         _check(m.cpu_lanes >= 1, f"{at}.cpu_lanes: expected >= 1, got {m.cpu_lanes}")
+        _check(m.cpu_pair_macs >= 0, f"{at}.cpu_pair_macs: expected >= 0, got {m.cpu_pair_macs}")
         _check(m.embed_dim > 0 and m.num_heads > 0, f"{at}: embed_dim and num_heads must be positive")
         _check(
             m.embed_dim % m.num_heads == 0,

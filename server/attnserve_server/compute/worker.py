@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -84,8 +85,9 @@ PINNED_PRESIZE_CAP = 256 << 20
 class _Lane:
     """What one in-flight batch needs on the worker: its stream, its staging slab and its output slabs."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, second: bool = False) -> None:
         cuda = device.type == "cuda"
+        self.second = second  # a CPU worker's second runner: shared batches only, on its share of threads
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.stager = Stager(device, dtype)
         self.out = Slab(pinned=True) if cuda else None
@@ -112,7 +114,14 @@ class DeviceWorker:
     weights too) two lanes of one thread served WL at concurrency 32 7-8% more than one lane of two, and
     W1 0.90x, its batches half the size; with the output alone (thirty-fifth pass, single runs) WL
     reached 0.89 of the in-process limit on two lanes against 0.81-0.82 on one, and in pairs served
-    1.062x one lane (thirty-sixth pass, perf_analyzer async, 4 of 4)."""
+    1.062x one lane (thirty-sixth pass, perf_analyzer async, 4 of 4).
+
+    Pairing (`cpu_pair_macs`, batching.py) gets that gain without the lanes' costs: one CPU lane of
+    several threads gets a second runner (`runners` 2), which computes only while the first computes a
+    shared batch, each on half the threads; a lone request and a small batch keep every thread. The
+    second runner's batches always run on its share, so it never starts an OpenMP pool of its own (a
+    second pool would cut the first's spin, model.py), and its thread is not one of the team that the
+    quiet layout pins."""
 
     def __init__(
         self, spec: ModelSpec, params: Projections | None, device: torch.device, threads: CpuThreads | None = None
@@ -123,11 +132,17 @@ class DeviceWorker:
         self.dtype: torch.dtype = getattr(torch, spec.dtype.setting)
         self._cuda = device.type == "cuda"
         self.lanes = CUDA_LANES if self._cuda else spec.cpu_lanes
-        self._lanes = [_Lane(device, self.dtype) for _ in range(self.lanes)]
-        self._free_lanes = list(self._lanes)
+        self._threads = threads if threads is not None else CpuThreads()
+        # A CPU batch's "every thread": what is configured, else the cores shared among the CPU lanes.
+        self._most_threads = self._threads.count or max(1, DEFAULT_THREADS // (1 if self._cuda else self.lanes))
+        # Pairing (class docstring): one CPU lane of several threads gets a second runner.
+        self.pairs = not self._cuda and self.lanes == 1 and spec.cpu_pair_macs > 0 and self._most_threads > 1
+        self.runners = self.lanes + self.pairs  # threads that take batches
+        self._lanes = [_Lane(device, self.dtype, second=i >= self.lanes) for i in range(self.runners)]
+        self._free_lanes = list(reversed(self._lanes))  # the first thread to start takes the first lane
         # What the OS calls the lanes' threads, and their OpenMP threads, which inherit the name.
         self.os_thread_name = f"attn-{self.name}"[:15]  # attn-cpu, attn-cuda:0
-        self.thread_ids: list[int] = []  # the lanes' threads' native ids, as each starts
+        self.thread_ids: list[int] = []  # the runners' threads' native ids: the first lane's first
         # On the CPU, the OpenMP threads of the lane's thread (its partners), once a batch has run on
         # several threads: those of its name that appeared since it started (runtime/cpu_layout.py
         # pins them apart while the server is quiet). Empty while every batch has run on one.
@@ -141,14 +156,11 @@ class DeviceWorker:
             widths = spec.embed_dim + (0 if spec.self_attention else spec.kdim + spec.vdim)
             for lane in self._lanes:
                 lane.presize(tokens * widths * itemsize, tokens * spec.output_dim * itemsize)
-        self._threads = threads if threads is not None else CpuThreads()
-        # A CPU batch's "every thread": what is configured, else the cores shared among the CPU lanes.
-        self._most_threads = self._threads.count or max(1, DEFAULT_THREADS // (1 if self._cuda else self.lanes))
         # A thread per lane: torch releases the GIL in its kernels, and the event loop stays free.
         # OpenMP keeps its thread count per calling thread, so it is set on the worker's own thread
         # (and, on the CPU, per batch: compute/threads.py).
         self.executor = ThreadPoolExecutor(
-            max_workers=self.lanes, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
+            max_workers=self.runners, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul)
@@ -163,13 +175,20 @@ class DeviceWorker:
 
     def _start_thread(self) -> None:
         """Each executor thread takes a lane of its own for good, and computes without autograd."""
-        self._local.lane = self._free_lanes.pop()
+        lane = self._local.lane = self._free_lanes.pop()
         name_os_thread(self.os_thread_name)  # its OpenMP threads too
-        self.thread_ids.append(threading.get_native_id())
+        if lane is self._lanes[0]:
+            self.thread_ids.insert(0, threading.get_native_id())
+        else:
+            self.thread_ids.append(threading.get_native_id())
         self._local.lane_thread = True
         if not self._cuda:
             self._named_at_start = named_threads(self.os_thread_name)  # its OpenMP pool not yet started
         torch.set_grad_enabled(False)  # thread-local: see `run`
+        # torch sets a thread's OpenMP count up at its first parallel loop, to the count any thread set
+        # last: with two runners, a second runner that set one thread computed on the first's two. Asking
+        # for the count does that set-up now, so this thread's own setting (here, or per batch) stands.
+        torch.get_num_threads()
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
@@ -180,16 +199,27 @@ class DeviceWorker:
         if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
             local.chooser = self._threads.chooser(self._most_threads)
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
+            torch.get_num_threads()  # torch's per-thread set-up now, before this thread sets its own count
         chooser: ThreadChooser = local.chooser
         if local.current and local.current > 1 and self._team_looks and getattr(local, "lane_thread", False):
             # The last batch ran on several threads, so the pool has likely started: which threads are its.
-            self.partner_ids = sorted(named_threads(self.os_thread_name) - self._named_at_start)
+            ours = named_threads(self.os_thread_name) - self._named_at_start - set(self.thread_ids)
+            self.partner_ids = sorted(ours)
             self._team_looks = 0 if self.partner_ids else self._team_looks - 1
-        wanted, measured = chooser.pick(macs, requests)
+        if self._paired():
+            wanted, measured = max(1, self._most_threads // 2), False  # its share of the threads
+        else:
+            wanted, measured = chooser.pick(macs, requests)
         if wanted != local.current:
             torch.set_num_threads(wanted)
             local.current = wanted
         return wanted, chooser if measured else None
+
+    def _paired(self) -> bool:
+        """Whether the calling thread computes a paired batch: beside another, on a share of the threads."""
+        local = self._local
+        lane: _Lane | None = getattr(local, "lane", None)
+        return getattr(local, "shared", False) or (lane is not None and lane.second)
 
     @property
     def team_size(self) -> int:
@@ -232,6 +262,21 @@ class DeviceWorker:
         finally:
             if grad:
                 torch.set_grad_enabled(True)
+
+    def run_shared(self, requests: list[AttentionRequest]) -> list[Answer]:
+        """`run`, on this runner's share of the threads: another batch computes beside it (pairing)."""
+        local = self._local
+        local.shared = True
+        try:
+            return self.run(requests)
+        finally:
+            local.shared = False
+
+    def serve(self, serve: Callable[..., None], done: Callable[..., None]) -> None:
+        """Serves a batcher on the calling executor thread for good: `serve(run, done, shared=, second=)`
+        (Batcher.serve), this thread's lane the first or, with pairing, the second runner."""
+        lane: _Lane = self._local.lane
+        serve(self.run, done, shared=self.run_shared if self.pairs else None, second=lane.second)
 
     def _run(self, requests: list[AttentionRequest]) -> list[Answer]:
         if len(requests) == 1 and not self._cuda:
@@ -294,6 +339,7 @@ class DeviceWorker:
             padded_tokens=sum(n * length for n, length, _ in shapes),
             padding_fraction=1.0 - real / sum(n * (length + s) for n, length, s in shapes),
             threads=threads,
+            paired=not self._cuda and self._paired(),
         )
         answers = []
         for i, r in enumerate(requests):
@@ -345,6 +391,7 @@ class DeviceWorker:
             padded_tokens=n * length,
             padding_fraction=0.0,
             threads=threads,
+            paired=not self._cuda and self._paired(),
         )
         return Answer(
             output=answer_bytes(output, view=True),
