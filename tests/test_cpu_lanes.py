@@ -15,7 +15,7 @@ from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DEFAULT_THREADS, DeviceWorker
 from attnserve_server.errors import ConfigError
-from attnserve_server.model import spec_from_settings
+from attnserve_server.model import limits_from_settings, spec_from_settings
 from attnserve_server.settings import ModelSettings, validate
 
 from conftest import model, output_of, request, running, settings
@@ -100,6 +100,8 @@ def test_pairing_gives_one_lane_of_several_threads_a_second_runner_on_half_of_th
         assert (shared[0].batch.threads, shared[0].batch.paired) == (1, True)
     finally:
         w.close()
+    two_workers = ModelSettings(embed_dim=E, num_heads=H, device=("cpu", "cpu"), cpu_pair_macs=1)
+    assert spec_from_settings(two_workers).cpu_pair_macs == 0 and limits_from_settings(two_workers).pair_work == 0
     with pytest.raises(ConfigError, match=r"cpu_pair_macs: expected >= 0, got -1"):
         validate(settings(model(cpu_pair_macs=-1)))
 

@@ -59,8 +59,13 @@ def spec_from_settings(
         cuda_graphs=settings.cuda_graphs,
         cpu_matmul=settings.cpu_matmul,
         cpu_lanes=settings.cpu_lanes,
-        cpu_pair_macs=settings.cpu_pair_macs,
+        cpu_pair_macs=_pair_macs(settings),
     )
+
+
+def _pair_macs(settings: ModelSettings) -> int:
+    """Pairing's bar (batching.py): a model of one worker only, whose threads the pair shares."""
+    return settings.cpu_pair_macs if len(settings.device) == 1 else 0
 
 
 def limits_from_settings(settings: ModelSettings, cpu: bool = True) -> BatchLimits:
@@ -78,7 +83,7 @@ def limits_from_settings(settings: ModelSettings, cpu: bool = True) -> BatchLimi
         linger_work=b.linger_macs,
         max_linger_s=b.max_linger_ms / 1e3,
         pipeline_work=b.pipeline_macs if cpu else 0,
-        pair_work=settings.cpu_pair_macs if cpu else 0,
+        pair_work=_pair_macs(settings) if cpu else 0,
     )
 
 
