@@ -118,7 +118,7 @@ def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_s
         torch_threads=2,
         solo_macs=0,
     )
-    xs = [rng.standard_normal((1, 5, E), dtype=np.float32) for _ in range(4)]
+    xs = [rng.standard_normal((1, length, E), dtype=np.float32) for length in (5, 9, 5, 12)]  # mixed: padded
     with running(config, worker_factory=HoldingWorker) as h, Client(h.target) as c:
         warm_up = len(HoldingWorker.ran_on)
         with ThreadPoolExecutor(5) as pool:
