@@ -179,11 +179,11 @@ class DeviceWorker:
         name_os_thread(self.os_thread_name)  # its OpenMP threads too
         if lane is self._lanes[0]:
             self.thread_ids.insert(0, threading.get_native_id())
+            if not self._cuda:  # the first lane's OpenMP pool not yet started (a second runner's never starts)
+                self._named_at_start = named_threads(self.os_thread_name)
         else:
             self.thread_ids.append(threading.get_native_id())
         self._local.lane_thread = True
-        if not self._cuda:
-            self._named_at_start = named_threads(self.os_thread_name)  # its OpenMP pool not yet started
         torch.set_grad_enabled(False)  # thread-local: see `run`
         # torch sets a thread's OpenMP count up at its first parallel loop, to the count any thread set
         # last: with two runners, a second runner that set one thread computed on the first's two. Asking
