@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -31,6 +33,12 @@ class HoldingWorker(DeviceWorker):
     release = threading.Event()
     ran_on: list[str] = []
 
+    @classmethod
+    def reset(cls) -> None:
+        cls.started.clear()
+        cls.release.clear()
+        cls.ran_on = []
+
     def run(self, requests):
         if any(r.query_len == HELD_LEN for r in requests):
             HoldingWorker.started.set()
@@ -39,24 +47,29 @@ class HoldingWorker(DeviceWorker):
         return super().run(requests)
 
 
+@contextlib.contextmanager
+def held_batch(client: Client, pool: ThreadPoolExecutor, rng: np.random.Generator) -> Iterator[Future]:
+    """Sends a request of HELD_LEN and yields its future once its batch runs; the batch ends with the block."""
+    held = pool.submit(client.attend, rng.standard_normal((1, HELD_LEN, E), dtype=np.float32))
+    try:
+        assert HoldingWorker.started.wait(20)
+        yield held
+    finally:
+        HoldingWorker.release.set()
+
+
 def test_with_two_lanes_a_request_is_answered_while_the_other_lane_computes() -> None:
-    HoldingWorker.started.clear()
-    HoldingWorker.release.clear()
-    HoldingWorker.ran_on = []
+    HoldingWorker.reset()
     rng = np.random.default_rng(0)
     config = settings(model(embed_dim=E, num_heads=H, device=("cpu",), cpu_lanes=2, max_queue_delay_ms=0))
     with running(config, worker_factory=HoldingWorker) as h, Client(h.target) as c:
         warm_up = len(HoldingWorker.ran_on)
         with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(c.attend, rng.standard_normal((1, HELD_LEN, E), dtype=np.float32))
-            try:
-                assert HoldingWorker.started.wait(20)
+            with held_batch(c, pool, rng) as held:
                 # One lane holds its batch; with one lane this call would wait for it.
                 x = rng.standard_normal((1, 5, E), dtype=np.float32)
                 assert c.attend(x).output.shape == (1, 5, E)
                 assert HoldingWorker.ran_on[warm_up:] == HoldingWorker.ran_on[-1:]  # the held one has not run
-            finally:
-                HoldingWorker.release.set()
             assert held.result(timeout=20).output.shape == (1, HELD_LEN, E)
         lanes = set(HoldingWorker.ran_on[warm_up:])
         assert len(lanes) == 2  # each batch on a lane's own thread
@@ -107,9 +120,7 @@ def test_pairing_gives_one_lane_of_several_threads_a_second_runner_on_half_of_th
 
 
 def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_server() -> None:
-    HoldingWorker.started.clear()
-    HoldingWorker.release.clear()
-    HoldingWorker.ran_on = []
+    HoldingWorker.reset()
     rng = np.random.default_rng(2)
     # Every batch of two or more requests splits (pair_work 1); no pipelining cap, so the four queued
     # below form one batch; no solo runs, which would hold the event loop itself.
@@ -122,13 +133,9 @@ def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_s
     with running(config, worker_factory=HoldingWorker) as h, Client(h.target) as c:
         warm_up = len(HoldingWorker.ran_on)
         with ThreadPoolExecutor(5) as pool:
-            held = pool.submit(c.attend, rng.standard_normal((1, HELD_LEN, E), dtype=np.float32))
-            try:
-                assert HoldingWorker.started.wait(20)
+            with held_batch(c, pool, rng) as held:
                 queued = [pool.submit(c.attend, x) for x in xs]
                 h.wait_for(lambda: h.sample("attnserve_queue_depth", model="default") == 4)
-            finally:
-                HoldingWorker.release.set()
             paired = [f.result(timeout=20).output for f in queued]
             held.result(timeout=20)
         served = HoldingWorker.ran_on[warm_up:]
