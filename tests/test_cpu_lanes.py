@@ -144,3 +144,35 @@ def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_s
         assert h.sample("attnserve_cpu_batches_total", model="default", device="cpu", threads="1") >= 2
         for x, out in zip(xs, paired, strict=True):  # each answer as the request alone gets it
             np.testing.assert_allclose(out, c.attend(x).output, rtol=1e-5, atol=1e-6)
+
+
+class InterleavedWorker(DeviceWorker):
+    """Once a thread has set its count for a batch, another thread sets two, as a first runner does."""
+
+    def _set_cpu_threads(self, macs: int, requests: int):
+        chosen = super()._set_cpu_threads(macs, requests)
+        other = threading.Thread(target=torch.set_num_threads, args=(2,))
+        other.start()
+        other.join()
+        return chosen
+
+
+def test_a_paired_batch_keeps_its_own_thread_count_when_another_thread_sets_one_after_it() -> None:
+    spec = spec_from_settings(ModelSettings(embed_dim=E, num_heads=H, device=("cpu",), cpu_pair_macs=1))
+    w = InterleavedWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(2))
+    seen: list[int] = []
+    before = torch.get_num_threads()
+
+    def fresh_thread() -> None:  # a thread that never ran torch: its first batch is a shared one
+        batch = [request(np.ones((1, 7, E), dtype=np.float32)) for _ in range(2)]
+        assert w.run_shared(batch)[0].batch.threads == 1
+        seen.append(torch.get_num_threads())
+
+    try:
+        t = threading.Thread(target=fresh_thread)
+        t.start()
+        t.join(20)
+        assert seen == [1]  # torch's lazy per-thread set-up did not take the other thread's two
+    finally:
+        w.close()
+        torch.set_num_threads(before)

@@ -185,10 +185,6 @@ class DeviceWorker:
             self.thread_ids.append(threading.get_native_id())
         self._local.lane_thread = True
         torch.set_grad_enabled(False)  # thread-local: see `run`
-        # torch sets a thread's OpenMP count up at its first parallel loop, to the count any thread set
-        # last: with two runners, a second runner that set one thread computed on the first's two. Asking
-        # for the count does that set-up now, so this thread's own setting (here, or per batch) stands.
-        torch.get_num_threads()
         if self._threads.count:
             torch.set_num_threads(self._threads.count)
 
@@ -199,7 +195,11 @@ class DeviceWorker:
         if not hasattr(local, "chooser"):  # this thread's first batch: what it may use at most
             local.chooser = self._threads.chooser(self._most_threads)
             local.current = None  # a thread the executor did not start (the event loop's) is not set yet
-            torch.get_num_threads()  # torch's per-thread set-up now, before this thread sets its own count
+            # torch sets a thread's OpenMP count up lazily, when the thread first asks for it or runs a
+            # parallel loop, to the count that any thread set last: a second runner that set one thread
+            # then computed on the two its first runner had just set. Asking now does that set-up before
+            # this thread sets its own count below, so its own count stands.
+            torch.get_num_threads()
         chooser: ThreadChooser = local.chooser
         if local.current and local.current > 1 and self._team_looks and getattr(local, "lane_thread", False):
             # The last batch ran on several threads, so the pool has likely started: which threads are its.
