@@ -47,6 +47,17 @@ class HoldingWorker(DeviceWorker):
         return super().run(requests)
 
 
+class PairingWorker(HoldingWorker):
+    """HoldingWorker whose shared batches each wait until two have started. A half of a few microseconds
+    could otherwise end before the second runner wakes, and the first runner would take the rest itself."""
+
+    halves = threading.Barrier(2, timeout=20)
+
+    def run_shared(self, requests):
+        PairingWorker.halves.wait()
+        return super().run_shared(requests)
+
+
 @contextlib.contextmanager
 def held_batch(client: Client, pool: ThreadPoolExecutor, rng: np.random.Generator) -> Iterator[Future]:
     """Sends a request of HELD_LEN and yields its future once its batch runs; the batch ends with the block."""
@@ -121,6 +132,7 @@ def test_pairing_gives_one_lane_of_several_threads_a_second_runner_on_half_of_th
 
 def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_server() -> None:
     HoldingWorker.reset()
+    PairingWorker.halves.reset()
     rng = np.random.default_rng(2)
     # Every batch of two or more requests splits (pair_work 1); no pipelining cap, so the four queued
     # below form one batch; no solo runs, which would hold the event loop itself.
@@ -130,7 +142,7 @@ def test_pairing_computes_the_halves_of_a_large_batch_side_by_side_through_the_s
         solo_macs=0,
     )
     xs = [rng.standard_normal((1, length, E), dtype=np.float32) for length in (5, 9, 5, 12)]  # mixed: padded
-    with running(config, worker_factory=HoldingWorker) as h, Client(h.target) as c:
+    with running(config, worker_factory=PairingWorker) as h, Client(h.target) as c:
         warm_up = len(HoldingWorker.ran_on)
         with ThreadPoolExecutor(5) as pool:
             with held_batch(c, pool, rng) as held:

@@ -45,7 +45,8 @@ on several intra-op threads meets at a barrier after every parallel loop, and a 
 loop, gRPC or a client preempts leaves the others waiting there. Two batches side by side on a share
 of the threads each wait for nobody. So a batch of at least twice `pair_work`, taken while no other
 computes, splits in two of about equal work: the first runner computes the first half and the second
-runner the rest, each `shared`. While a shared batch computes, a runner that frees takes what is queued
+runner the rest, each `shared` (the rest stays queued: a first runner that ends its half before the
+second wakes takes it itself). While a shared batch computes, a runner that frees takes what is queued
 as shared too, so under load the two stay paired; a first runner that frees while the second idles
 takes its next batch whole (on every thread), or splits it again. A second runner takes only shared
 batches, and only while one computes: a whole batch has every thread. On the 2-vCPU VM (BENCHMARKS.md,
