@@ -312,7 +312,8 @@ class DeviceWorker:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
                 weights = (weights or []) + split(weights_host, group, key_axis=True, views=fresh)
         if chooser is not None:
-            on_cpu = (time.thread_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9)
+            # A share: the two clocks tick apart, so on a short batch the ratio can read a little over 1.
+            on_cpu = min((time.thread_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9), 1.0)
             chooser.record(threads, macs, computed_s, len(requests), on_cpu)
         width = out_host.shape[-1]
         if groups[0] is not requests:  # grouped by length: back in the batch's order
