@@ -615,6 +615,41 @@ def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_
     assert len(several) == 4 and all(on_cpu is not None and 0.0 < on_cpu <= 1.0 for on_cpu in several)
 
 
+def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_wall_clock(monkeypatch) -> None:
+    # The two clocks tick apart; on a short batch CI once read a share of 1.012. Here the thread clock
+    # runs three times the wall clock, so an unclamped share would read ~3.
+    import time as real_time
+
+    from attnserve_server.compute import worker as worker_module
+
+    class AheadClock:
+        def __getattr__(self, name: str):
+            return getattr(real_time, name)
+
+        @staticmethod
+        def thread_time() -> float:
+            return 3.0 * real_time.thread_time()
+
+    seen: list[float | None] = []
+    record = ThreadChooser.record
+
+    def spy(self, threads, macs, seconds, requests, on_cpu=None):
+        if requests == 2:
+            seen.append(on_cpu)
+        return record(self, threads, macs, seconds, requests, on_cpu)
+
+    monkeypatch.setattr(ThreadChooser, "record", spy)
+    monkeypatch.setattr(worker_module, "time", AheadClock())
+    w = worker(torch_threads=2, small_batch_macs=1)
+    try:
+        batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
+        for _ in range(2):
+            w.executor.submit(w.run, batch).result()
+    finally:
+        w.close()
+    assert seen == [1.0, 1.0]
+
+
 def test_a_batchs_multiply_adds_count_projections_and_attention() -> None:
     w1 = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))
     # one W1 sequence: Q and out (2·64·256²) + K and V (2·64·256²) + Q·Kᵀ and A·V (2·64·64·256)
