@@ -256,10 +256,10 @@ def test_bare_operation_matches_scaled_dot_product_attention(default_server: Run
     close(got.attention_weights, weights.numpy())
 
 
-def in_one_batch(parity, name: str, seed: int, inputs: list[tuple[np.ndarray, ...]]):
+def in_one_batch(parity, name: str, seed: int, inputs: list[tuple[np.ndarray, ...]], masked: bool = True):
     """Serves a model of its own whose batch closes at len(inputs) requests (and never by delay),
-    sends every input at once with causal masking and weights, and returns the reference module,
-    the results and the batch's padding share."""
+    sends every input at once (with causal masking and weights unless not `masked`), and returns the
+    reference module, the results and the batch's padding share."""
     mha = random_mha(seed)
     tmp = Path(parity[0].server.settings.models[0].weights.path).parent
     m = model(
@@ -272,7 +272,7 @@ def in_one_batch(parity, name: str, seed: int, inputs: list[tuple[np.ndarray, ..
     )
     with running(settings(m)) as handle, Client(handle.target) as c:
         with concurrent.futures.ThreadPoolExecutor(len(inputs)) as pool:
-            futures = [pool.submit(c.attend, *args, causal=True, need_weights=True) for args in inputs]
+            futures = [pool.submit(c.attend, *args, causal=masked, need_weights=masked) for args in inputs]
             results = [f.result(timeout=60) for f in futures]
         padding = handle.sample("attnserve_batch_padding_ratio_sum", model=name)
     for got in results:
@@ -290,6 +290,25 @@ def test_requests_of_different_lengths_share_one_batch_and_stay_exact(parity) ->
         close(got.attention_weights, a)
     # (3+5 + 8+2 + 6+9) real positions of 3 x (8+9) padded ones.
     assert padding == pytest.approx(1 - 33 / 51)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["fused", "causal-with-weights"])
+def test_a_request_of_nan_and_inf_leaves_the_requests_batched_with_it_exact(parity, masked: bool) -> None:
+    """Non-finite inputs are the client's to send (its answer is what torch makes of them), but they stay
+    in that request's rows: the others in its batch, one of them padded to its length, are exact."""
+    bad = rand(1, 6, E) - 1
+    bad[0, 2, 5] = np.nan
+    bad[0, 4, :] = np.inf
+    inputs = [(rand(1, 6, E),), (bad,), (rand(1, 4, E),), (rand(1, 6, E) + 1,)]
+    mha, results, _ = in_one_batch(parity, f"nonfinite-{masked}", 6, inputs, masked=masked)
+    for (q,), got in zip(inputs, results, strict=True):
+        if q is bad:
+            assert got.output.shape == (1, 6, E) and not np.isfinite(got.output).all()
+            continue
+        y, a = reference(mha, q, q, q, causal=masked, need_weights=masked)
+        close(got.output, y)
+        if masked:
+            close(got.attention_weights, a)
 
 
 def test_far_apart_lengths_share_a_batch_and_compute_in_groups(parity) -> None:
