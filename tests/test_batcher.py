@@ -476,6 +476,42 @@ def test_a_failing_batch_fails_only_its_own_requests_and_the_runner_keeps_servin
     run(main())
 
 
+def test_a_failing_batch_runs_again_one_request_at_a_time_so_only_the_failing_one_fails() -> None:
+    async def main() -> None:
+        runner = FakeRunner(fail_on="bad")
+        reports: list[tuple[list[object], list[object] | None, str | None]] = []
+
+        def done(items: list[object], results: list[object] | None, error: BaseException | None) -> None:
+            reports.append((items, results, None if error is None else str(error)))
+
+        b = Batcher(limits())
+        b.start()
+        threads = [threading.Thread(target=b.serve, args=(runner, done), daemon=True)]
+        threads[0].start()
+        blocker = submit(b, "block")
+        await runner.started()
+        rest = [submit(b, x) for x in ("a", "bad", "c")]
+        await until(lambda: b.depth == 3)
+        runner.gate.set()
+        assert await blocker == ("done", "block")
+        a, bad, c = await asyncio.gather(*rest, return_exceptions=True)
+        assert (a, c) == (("done", "a"), ("done", "c"))
+        assert isinstance(bad, BatchFailed)
+        assert "alone after its batch of 3 failed: RuntimeError: boom" in str(bad)
+        assert runner.batches == [["block"], ["a", "bad", "c"], ["a"], ["bad"], ["c"]]
+        # The failed batch is reported failed, then each run alone as a batch of one.
+        assert reports[1:] == [
+            (["a", "bad", "c"], None, "boom"),
+            (["a"], [("done", "a")], None),
+            (["bad"], None, "boom"),
+            (["c"], [("done", "c")], None),
+        ]
+        assert await submit(b, "after") == ("done", "after")  # the runner serves on
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_runner_returning_the_wrong_number_of_results_fails_the_batch() -> None:
     async def main() -> None:
         def short(items: list[object]) -> list[object]:

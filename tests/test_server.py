@@ -486,6 +486,29 @@ def test_a_failing_batch_fails_only_its_requests_and_the_worker_keeps_serving() 
         assert handle.sample("attnserve_batch_failures_total", model="default", device="cpu") == 1
 
 
+def test_a_batch_that_fails_runs_again_a_request_at_a_time_and_only_the_failing_request_fails() -> None:
+    # The batch closes at three requests (and never by delay); one of them makes FailingWorker fail.
+    config = settings(model(embed_dim=E, num_heads=4, max_batch_size=3, max_queue_delay_ms=60_000))
+    with (
+        running(config, worker_factory=FailingWorker) as handle,
+        Client(handle.target, timeout_s=30) as c,
+        concurrent.futures.ThreadPoolExecutor(3) as pool,
+    ):
+        bad = x(3, E)
+        bad[0, 0] = 1234.0
+        futures = [pool.submit(c.attend, q) for q in (x(3, E) + 1, bad, x(3, E) - 1)]
+        with pytest.raises(AttnServeError) as err:
+            futures[1].result(timeout=30)
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert "alone after its batch of 3 failed: RuntimeError: injected fault" in err.value.message
+        for future in (futures[0], futures[2]):
+            answer = future.result(timeout=30)
+            assert answer.timing.batch_size == 1  # answered from its run alone
+            assert answer.output.shape == (3, E) and np.isfinite(answer.output).all()
+        # The batch of three, then the bad request alone.
+        assert handle.sample("attnserve_batch_failures_total", model="default", device="cpu") == 2
+
+
 def test_unreachable_server_is_unavailable_and_wait_for_ready_waits_for_the_deadline() -> None:
     import socket
 

@@ -56,6 +56,10 @@ thirty-seventh pass) pairing served WL at concurrency 4 to 32 3-8% more in pairs
 On a quiet server a lone request may instead run on the event loop itself, skipping the two thread
 hops (`allow_solo`; solo.py says when).
 
+A batch of several that fails on its runner runs again one request at a time on the same runner, so
+that a request that cannot compute (or a batch too large for the device's memory) fails alone: only
+the requests that fail by themselves are answered with the failure, and the others are answered.
+
 Threads: one lock guards the queue, and idle runners wait on its condition (a second runner on one
 of its own, so that a notify meant for a runner that may take the batch never wakes one that may
 not). Everything the batcher tells the rest of the server (observer reports, queue listeners,
@@ -184,6 +188,22 @@ class _Batch(Generic[T]):
 
     def __post_init__(self) -> None:
         self.items = [e.item for e in self.entries]
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """A request of a failed batch that failed again when it ran alone."""
+
+    error: Exception
+
+
+def _run_alone(runner: Runner, item: T) -> object:
+    """One request of a failed batch, run again alone on the batch's runner: its result, or _Alone."""
+    try:
+        (result,) = runner([item])
+    except Exception as exc:
+        return _Alone(exc)
+    return result
 
 
 @dataclass(frozen=True)
@@ -428,12 +448,15 @@ class Batcher(Generic[T, R]):
         try:
             while (taking := self._take(busy, pairs, second)) is not None:
                 batch, admitted = taking
-                results: list[R] | None = None
+                results: list | None = None  # with error: each request's result or _Alone
                 error: BaseException | None = None
+                runner = shared if batch.shared and shared is not None else run
                 try:
-                    results = shared(batch.items) if batch.shared and shared is not None else run(batch.items)
+                    results = runner(batch.items)
                 except Exception as exc:  # the batch's failure, not the runner's: it serves on
                     error = exc
+                    if len(batch.items) > 1:  # each request alone: only those that fail so fail
+                        results = [_run_alone(runner, item) for item in batch.items]
                 if batch.shared:
                     with self._cond:
                         self._sharing -= 1
@@ -584,10 +607,14 @@ class Batcher(Generic[T, R]):
         try:
             self._observer.batch_started(len(entries), batch.waits_s)
             if done is not None:
-                done(batch.items, results, error)
+                done(batch.items, None if error is not None else results, error)
         except Exception:  # a report is not worth a batch: log it, answer anyway
             log.exception("reporting a finished batch failed")
         self._report_depth()
+        if error is not None and results is not None:  # it failed whole, then each request ran alone
+            self._answer_alone(entries, results, error, done)  # type: ignore[arg-type]
+            self._changed.set()
+            return
         if error is None and results is not None and len(results) != len(entries):
             error = RuntimeError(f"runner returned {len(results)} results for {len(entries)} requests")
         if error is not None:
@@ -598,6 +625,35 @@ class Batcher(Generic[T, R]):
                 if not entry.future.done():  # the caller may have gone while it ran
                     entry.future.set_result(result)
         self._changed.set()
+
+    def _answer_alone(
+        self, entries: list[_Entry[T]], outcomes: list[R | _Alone], error: BaseException, done: BatchDone | None
+    ) -> None:
+        """Answers a failed batch's requests from their runs alone: each alone run is a batch of one to
+        `done` (metrics, statistics), and only a request that failed alone is answered with its failure."""
+        failed = sum(isinstance(o, _Alone) for o in outcomes)
+        log.error(
+            "batch of %d requests failed; each ran again alone: %d answered, %d failed",
+            len(entries), len(entries) - failed, failed, exc_info=error,
+        )  # fmt: skip
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            alone_error = outcome.error if isinstance(outcome, _Alone) else None
+            try:
+                if done is not None:
+                    done([entry.item], None if alone_error else [outcome], alone_error)  # type: ignore[list-item]
+            except Exception:  # a report is not worth a request: log it, answer anyway
+                log.exception("reporting a request run alone failed")
+            if entry.future.done():  # the caller may have gone while it ran
+                continue
+            if alone_error is not None:
+                entry.future.set_exception(
+                    BatchFailed(
+                        f"the request failed on its worker, alone after its batch of {len(entries)} failed: "
+                        f"{type(alone_error).__name__}: {alone_error}"
+                    )
+                )
+            else:
+                entry.future.set_result(outcome)
 
     def _expired(self, entries: list[_Entry[T]]) -> None:
         for entry in entries:
