@@ -10,7 +10,15 @@ from collections import Counter
 import pytest
 
 from attnserve_server.batching import Batcher, BatchLimits
-from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
+from attnserve_server.errors import (
+    BatcherStopped,
+    BatchFailed,
+    DeadlineExpired,
+    QueueFull,
+    ServingError,
+    ShuttingDown,
+    WorkerLost,
+)
 
 WAIT_S = 5.0  # how long a test waits for something that must happen
 
@@ -507,6 +515,32 @@ def test_a_failing_batch_runs_again_one_request_at_a_time_so_only_the_failing_on
             (["c"], [("done", "c")], None),
         ]
         assert await submit(b, "after") == ("done", "after")  # the runner serves on
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_lost_worker_answers_its_batch_unavailable_stops_the_batcher_and_says_so() -> None:
+    # No run alone for a batch whose worker is lost: nothing more computes there.
+    calls: list[list[object]] = []
+
+    def lost(items: list[object]) -> list[object]:
+        calls.append(list(items))
+        raise WorkerLost("cuda:0 can compute no more: RuntimeError: CUDA error: device-side assert triggered")
+
+    async def main() -> None:
+        broken: list[BaseException] = []
+        b = Batcher(limits(max_batch_size=2, max_queue_delay_s=WAIT_S * 4))  # closes at two
+        b.on_broken(broken.append)
+        threads = start(b, lost)
+        results = await asyncio.gather(submit(b, "a"), submit(b, "b"), return_exceptions=True)
+        assert all(isinstance(r, WorkerLost) and r.status == "UNAVAILABLE" for r in results)
+        await until(lambda: bool(broken))
+        assert isinstance(broken[0], WorkerLost) and calls == [["a", "b"]]
+        with pytest.raises(BatcherStopped, match=r"batcher stopped.*the server is stopping") as err:
+            await b.submit("after", sequences=1, length=1, group="g")
+        assert err.value.status == "UNAVAILABLE"
+        await until(lambda: not threads[0].is_alive())
         await stop(b, threads)
 
     run(main())

@@ -111,3 +111,49 @@ def test_a_server_with_cuda_graphs_serves_and_matches_the_cpu_reference() -> Non
     with running(settings(m)) as handle, Client(handle.target) as c:
         got = c.attend(q)
     assert float(np.abs(got.output - reference(q, [17, 17, 17], False)).max()) <= 1e-4
+
+
+def test_a_cuda_error_that_poisons_the_context_makes_the_worker_lost_and_others_do_not() -> None:
+    # In a process of its own: a device-side assert leaves that process's CUDA context unusable.
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from attnserve_server.compute.weights import random_projections
+from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.errors import WorkerLost
+from attnserve_server.model import spec_from_settings
+from attnserve_server.settings import ModelSettings
+from conftest import request
+import numpy as np
+spec = spec_from_settings(ModelSettings(embed_dim=64, num_heads=8, device=("cuda",), dtype="float32"))
+worker = DeviceWorker(spec, random_projections(spec, 0), torch.device("cuda", 0))
+req = request(np.ones((1, 4, 64), np.float32))
+real = worker._run
+def out_of_memory(requests):
+    raise torch.cuda.OutOfMemoryError("injected")
+worker._run = out_of_memory
+try:
+    worker.run([req])
+except WorkerLost:
+    raise SystemExit("an out-of-memory error must leave the device usable")
+except torch.cuda.OutOfMemoryError:
+    pass
+worker._run = real
+worker.run([req])  # still computes
+def poison(requests):
+    index = torch.tensor([10], device="cuda:0")
+    torch.zeros(2, device="cuda:0")[index].item()  # a device-side assert
+worker._run = poison
+try:
+    worker.run([req])
+except WorkerLost as exc:
+    print("lost:", exc)
+else:
+    raise SystemExit("a poisoned context must make the worker lost")
+"""
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tests)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "lost: cuda:0 can compute no more" in done.stdout

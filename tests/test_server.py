@@ -17,9 +17,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from attnserve import AsyncClient, AttnServeError, Client, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.dispatch import answer_concurrently
+from attnserve_server.errors import WorkerLost
 
-from conftest import FailingWorker, Running, model, running, settings
+from conftest import TEST_EDGES, FailingWorker, Running, model, running, settings
 
 E = 32
 
@@ -507,6 +509,39 @@ def test_a_batch_that_fails_runs_again_a_request_at_a_time_and_only_the_failing_
             assert answer.output.shape == (3, E) and np.isfinite(answer.output).all()
         # The batch of three, then the bad request alone.
         assert handle.sample("attnserve_batch_failures_total", model="default", device="cpu") == 2
+
+
+class LosingWorker(DeviceWorker):
+    """Loses its device at a query whose first element is 4321 (a fault injected for the test)."""
+
+    def run(self, requests):
+        if any(np.frombuffer(r.query.data, dtype="<f4", count=1)[0] == 4321.0 for r in requests):
+            raise WorkerLost(f"{self.name} can compute no more: RuntimeError: CUDA error: device-side assert")
+        return super().run(requests)
+
+
+def test_a_worker_whose_device_is_lost_fails_the_server_which_answers_unavailable_and_reports_not_serving() -> None:
+    tc = pytest.importorskip("tritonclient.grpc")
+    with running(settings(model(embed_dim=E, num_heads=4)), worker_factory=LosingWorker) as handle:
+        client = tc.InferenceServerClient(handle.target)
+        query = tc.InferInput("query", [1, 3, E], "FP32")
+        query.set_data_from_numpy(np.full((1, 3, E), 4321.0, np.float32))
+        try:
+            with pytest.raises(tc.InferenceServerException) as err:
+                client.infer("default", [query])
+            assert err.value.status() == "StatusCode.UNAVAILABLE"
+            assert "cpu can compute no more" in err.value.message()
+            # The server stops (`attnserve serve` then exits 1, as when an edge dies), meanwhile refusing.
+            handle.wait_for(handle.server.failed.is_set)
+            with Client(handle.target, timeout_s=5) as c:
+                with pytest.raises(AttnServeError) as refused:
+                    c.attend(x(3, E))
+                assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+                assert "batcher stopped" in refused.value.message
+                if TEST_EDGES == 1:  # the model's own health; edges report the server's as one
+                    assert c.health("default") == "NOT_SERVING"
+        finally:
+            client.close()
 
 
 def test_unreachable_server_is_unavailable_and_wait_for_ready_waits_for_the_deadline() -> None:

@@ -34,6 +34,7 @@ from attnserve_server.compute.threads import (
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
+from attnserve_server.errors import WorkerLost
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.runtime import allocator, openmp, pyheap
@@ -933,3 +934,33 @@ def test_a_lone_request_answers_as_it_would_in_a_batch(case: str) -> None:
     assert (report.requests, report.sequences, report.tokens, report.padded_tokens) == (1, b, b * length, b * length)
     assert report.padding_fraction == 0.0
     assert report.compute_s >= report.infer_s > 0 and report.input_s >= 0 and report.output_s >= 0
+
+
+@pytest.mark.parametrize("usable", [True, False])
+def test_a_failed_batch_leaves_the_worker_lost_only_when_its_cuda_device_no_longer_computes(
+    monkeypatch: pytest.MonkeyPatch, usable: bool
+) -> None:
+    # The mapping, on the CPU: a worker whose device cannot compute any more (the probe, which
+    # tests/test_cuda.py runs on a real GPU with a poisoned context) raises WorkerLost; else the error.
+    w = worker()
+    monkeypatch.setattr(w, "_cuda", True)
+    monkeypatch.setattr(w, "_device_usable", lambda: usable)
+
+    def fails(requests):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(w, "_run", fails)
+    with pytest.raises(Exception) as err:  # which one it is, is the point
+        w.run([request(np.ones((1, 3, 16), np.float32))])
+    if usable:
+        assert type(err.value) is RuntimeError
+    else:
+        assert isinstance(err.value, WorkerLost) and err.value.status == "UNAVAILABLE"
+        assert "cpu can compute no more: RuntimeError: CUDA error: an illegal memory access" in str(err.value)
+
+
+def test_a_cpu_worker_is_never_lost_for_a_failed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = worker()
+    monkeypatch.setattr(w, "_run", lambda requests: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        w.run([request(np.ones((1, 3, 16), np.float32))])

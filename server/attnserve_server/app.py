@@ -33,8 +33,9 @@ class AttnServer:
     With `edge_processes` 1 the gRPC front runs on this process's event loop; with N > 1 this is
     the engine process and N edge processes serve the port (multiprocess/). Health: "" (the
     server), each service's name, and each model's name. They report NOT_SERVING while models load
-    and from the moment shutdown begins. `failed` is set if an edge process dies: the caller stops
-    the server and exits non-zero.
+    and from the moment shutdown begins. `failed` is set if an edge process dies, or a model's
+    batcher stops for good (its worker's device lost, or a runner dead): the caller stops the server
+    and exits non-zero, for the orchestrator to restart it.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class AttnServer:
                 solo_macs=settings.solo_macs,
                 on_quiet=self._on_quiet if watching else None,
                 on_busy=self._on_busy if self._layout_wanted else None,
+                on_broken=self._model_broken,
             )
             for m in settings.models
         }
@@ -94,6 +96,12 @@ class AttnServer:
                 return
         if self.idle_spin is not None:
             self.idle_spin.touch()
+
+    def _model_broken(self, model: str, exc: BaseException) -> None:
+        """A model can serve no more (on the loop): its health turns NOT_SERVING and the server stops."""
+        log.critical("model %r can serve no more (%s): stopping, to exit non-zero", model, exc)
+        asyncio.get_running_loop().create_task(self._health.set(model, NOT_SERVING))
+        self.failed.set()
 
     def _on_busy(self) -> None:
         """The first request after such a streak that found company (on the loop)."""

@@ -58,7 +58,9 @@ hops (`allow_solo`; solo.py says when).
 
 A batch of several that fails on its runner runs again one request at a time on the same runner, so
 that a request that cannot compute (or a batch too large for the device's memory) fails alone: only
-the requests that fail by themselves are answered with the failure, and the others are answered.
+the requests that fail by themselves are answered with the failure, and the others are answered. A
+runner that raises WorkerLost (its device can compute no more) or dies stops the batcher: what it
+holds is answered UNAVAILABLE, and `on_broken` tells the server, which stops and exits non-zero.
 
 Threads: one lock guards the queue, and idle runners wait on its condition (a second runner on one
 of its own, so that a notify meant for a runner that may take the batch never wakes one that may
@@ -78,7 +80,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from attnserve_server.errors import BatchFailed, DeadlineExpired, QueueFull, ServingError, ShuttingDown
+from attnserve_server.errors import (
+    BatcherStopped,
+    BatchFailed,
+    DeadlineExpired,
+    QueueFull,
+    ServingError,
+    ShuttingDown,
+    WorkerLost,
+)
 from attnserve_server.solo import SoloPolicy
 
 T = TypeVar("T")
@@ -245,6 +255,7 @@ class Batcher(Generic[T, R]):
         self._listeners: list[Callable[[int, int, bool], None]] = []
         self._solo: _Solo[T, R] | None = None
         self._on_quiet: Callable[[], None] | None = None  # watch_quiet
+        self._on_broken: Callable[[BaseException], None] | None = None  # on_broken
         self._on_busy: Callable[[], None] | None = None
         self._quiet_streak = 0
         self._quiet_in_a_row = 0  # admissions in a row that found the batcher quiet
@@ -256,6 +267,10 @@ class Batcher(Generic[T, R]):
     def start(self) -> None:
         """Binds the batcher to the running loop, where its callers' answers are delivered."""
         self._loop = asyncio.get_running_loop()
+
+    def on_broken(self, listener: Callable[[BaseException], None]) -> None:
+        """`listener(exc)` hears on the loop that the batcher stopped for good (a runner lost or dead)."""
+        self._on_broken = listener
 
     def allow_solo(
         self,
@@ -453,6 +468,8 @@ class Batcher(Generic[T, R]):
                 runner = shared if batch.shared and shared is not None else run
                 try:
                     results = runner(batch.items)
+                except WorkerLost:
+                    raise  # the runner's end, not the batch's: below
                 except Exception as exc:  # the batch's failure, not the runner's: it serves on
                     error = exc
                     if len(batch.items) > 1:  # each request alone: only those that fail so fail
@@ -619,7 +636,9 @@ class Batcher(Generic[T, R]):
             error = RuntimeError(f"runner returned {len(results)} results for {len(entries)} requests")
         if error is not None:
             log.error("batch of %d requests failed", len(entries), exc_info=error)
-            self._fail(entries, BatchFailed(f"the batch failed on its worker: {type(error).__name__}: {error}"))
+            if not isinstance(error, WorkerLost):
+                error = BatchFailed(f"the batch failed on its worker: {type(error).__name__}: {error}")
+            self._fail(entries, error)  # type: ignore[arg-type]
         else:
             for entry, result in zip(entries, results, strict=True):  # type: ignore[arg-type]
                 if not entry.future.done():  # the caller may have gone while it ran
@@ -666,10 +685,12 @@ class Batcher(Generic[T, R]):
     def _die(self, exc: BaseException) -> None:
         log.critical("the batcher failed", exc_info=exc)
         with self._cond:
-            self._broken = ServingError(f"the model's batcher stopped: {exc!r}")
+            self._broken = BatcherStopped(f"the model's batcher stopped: {exc!r}; the server is stopping")
             self._cond.notify_all()
             self._second_cond.notify_all()
         self._fail_queued(self._broken)
+        if self._on_broken is not None:
+            self._on_broken(exc)
 
     def _fail_queued(self, error: Exception) -> None:
         with self._cond:

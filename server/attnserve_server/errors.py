@@ -70,6 +70,20 @@ class BatchFailed(ServingError):
     status = "INTERNAL"
 
 
+class WorkerLost(ServingError):
+    """A worker's device can compute no more (a CUDA error that outlives its batch poisons the process's
+    context): its batcher stops and the server exits non-zero, for the orchestrator to restart it. The
+    callers are told UNAVAILABLE, which clients retry, on another replica or on this one restarted."""
+
+    status = "UNAVAILABLE"
+
+
+class BatcherStopped(ServingError):
+    """The model's batcher stopped (its runner died): the server is stopping, to be restarted."""
+
+    status = "UNAVAILABLE"
+
+
 class ConfigError(ValueError):
     """A configuration or weights file that cannot be served; raised at start-up."""
 

@@ -100,8 +100,11 @@ class ServedModel:
         solo_macs: int = 0,
         on_quiet: Callable[[], None] | None = None,
         on_busy: Callable[[], None] | None = None,
+        on_broken: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         self._tracing = tracing
+        # Told (name, exc) once the batcher stops for good: a worker's device lost, or a runner dead.
+        self._on_broken = on_broken
         self._solo_macs = solo_macs
         # Told of each request admitted once QUIET_STREAK in a row have found the model quiet (idle_spin.py):
         # only a quiet server's spinners spin, since under load they cost more than the wake-ups they spare.
@@ -150,6 +153,8 @@ class ServedModel:
         b = self.settings.batching
         self._batcher = Batcher(self.limits, self.metrics)
         self._batcher.start()
+        if self._on_broken is not None:
+            self._batcher.on_broken(self._broken)
         self._allow_solo(self._batcher)
         if self._on_quiet is not None:
             self._batcher.watch_quiet(self._on_quiet, QUIET_STREAK, self._on_busy)
@@ -175,6 +180,11 @@ class ServedModel:
                 self.spec.name,
                 ", ".join(sorted(FLOAT16_FLAGS)),
             )
+
+    def _broken(self, exc: BaseException) -> None:
+        """The batcher stopped for good: later requests are refused UNAVAILABLE by it (BatcherStopped)."""
+        if self._on_broken is not None:
+            self._on_broken(self.spec.name, exc)
 
     def _allow_solo(self, batcher: Batcher[AttentionRequest, Answer]) -> None:
         """With one CPU worker of one lane, a lone request of at most `solo_macs` may run on the event

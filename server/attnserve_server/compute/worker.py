@@ -35,6 +35,7 @@ from attnserve_server.domain import (
     ModelSpec,
     compute_macs,
 )
+from attnserve_server.errors import WorkerLost
 from attnserve_server.runtime.os_threads import name_os_thread, named_threads
 
 
@@ -259,9 +260,24 @@ class DeviceWorker:
             torch.set_grad_enabled(False)
         try:
             return self._run(requests)
+        except Exception as exc:
+            if self._cuda and not self._device_usable():
+                raise WorkerLost(f"{self.name} can compute no more: {type(exc).__name__}: {exc}") from exc
+            raise  # the batch's failure: the device serves on
         finally:
             if grad:
                 torch.set_grad_enabled(True)
+
+    def _device_usable(self) -> bool:
+        """Whether the CUDA device still computes after a batch failed. Most errors (out of memory, a bad
+        shape) leave it usable; an illegal address, a device-side assert or a lost GPU poison the
+        process's CUDA context, and every later call fails: only a new process recovers."""
+        try:
+            with torch.cuda.device(self.device):
+                torch.cuda.synchronize()
+                return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception:
+            return False
 
     def run_shared(self, requests: list[AttentionRequest]) -> list[Answer]:
         """`run`, on this runner's share of the threads: another batch computes beside it (pairing)."""
