@@ -511,6 +511,37 @@ def test_a_batch_that_fails_runs_again_a_request_at_a_time_and_only_the_failing_
         assert handle.sample("attnserve_batch_failures_total", model="default", device="cpu") == 2
 
 
+class SmallMemoryWorker(DeviceWorker):
+    """Runs out of device memory for a batch of three or more requests (warm-up runs two), and for a query
+    whose first element is 999 even alone (faults injected for the test)."""
+
+    def _run(self, requests):  # under DeviceWorker.run, which turns torch's error into the answer
+        if len(requests) > 2 or np.frombuffer(requests[0].query.data, dtype="<f4", count=1)[0] == 999.0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super()._run(requests)
+
+
+def test_a_batch_out_of_device_memory_runs_request_by_request_and_what_never_fits_is_resource_exhausted() -> None:
+    config = settings(model(embed_dim=E, num_heads=4, max_batch_size=3, max_queue_delay_ms=60_000))
+    with (
+        running(config, worker_factory=SmallMemoryWorker) as handle,
+        Client(handle.target, timeout_s=30) as c,
+        concurrent.futures.ThreadPoolExecutor(3) as pool,
+    ):
+        huge = x(3, E)
+        huge[0, 0] = 999.0
+        futures = [pool.submit(c.attend, q) for q in (x(3, E) + 1, huge, x(3, E) - 1)]
+        with pytest.raises(AttnServeError) as err:
+            futures[1].result(timeout=30)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (
+            "cpu ran out of memory for a batch of 1 request(s), 1 sequence(s): CUDA out of memory" in err.value.message
+        )
+        for future in (futures[0], futures[2]):
+            answer = future.result(timeout=30)
+            assert answer.timing.batch_size == 1 and answer.output.shape == (3, E)
+
+
 class LosingWorker(DeviceWorker):
     """Loses its device at a query whose first element is 4321 (a fault injected for the test)."""
 

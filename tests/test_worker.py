@@ -34,7 +34,7 @@ from attnserve_server.compute.threads import (
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
-from attnserve_server.errors import WorkerLost
+from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.runtime import allocator, openmp, pyheap
@@ -964,3 +964,23 @@ def test_a_cpu_worker_is_never_lost_for_a_failed_batch(monkeypatch: pytest.Monke
     monkeypatch.setattr(w, "_run", lambda requests: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         w.run([request(np.ones((1, 3, 16), np.float32))])
+
+
+def test_a_batch_out_of_device_memory_is_resource_exhausted_and_leaves_the_worker_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = worker()
+    monkeypatch.setattr(w, "_cuda", True)  # no probe for it: out of memory leaves the device usable
+    monkeypatch.setattr(w, "_device_usable", lambda: pytest.fail("probed the device after out of memory"))
+
+    def out_of_memory(requests):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(w, "_run", out_of_memory)
+    with pytest.raises(DeviceOutOfMemory) as err:
+        w.run([request(np.ones((2, 3, 16), np.float32))])
+    assert err.value.status == "RESOURCE_EXHAUSTED"
+    assert str(err.value) == (
+        "cpu ran out of memory for a batch of 1 request(s), 2 sequence(s): "
+        "CUDA out of memory. Tried to allocate 2.00 GiB"
+    )

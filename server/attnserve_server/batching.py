@@ -636,9 +636,9 @@ class Batcher(Generic[T, R]):
             error = RuntimeError(f"runner returned {len(results)} results for {len(entries)} requests")
         if error is not None:
             log.error("batch of %d requests failed", len(entries), exc_info=error)
-            if not isinstance(error, WorkerLost):
+            if not isinstance(error, ServingError):  # a domain error keeps its status (WorkerLost: UNAVAILABLE)
                 error = BatchFailed(f"the batch failed on its worker: {type(error).__name__}: {error}")
-            self._fail(entries, error)  # type: ignore[arg-type]
+            self._fail(entries, error)
         else:
             for entry, result in zip(entries, results, strict=True):  # type: ignore[arg-type]
                 if not entry.future.done():  # the caller may have gone while it ran
@@ -664,7 +664,9 @@ class Batcher(Generic[T, R]):
                 log.exception("reporting a request run alone failed")
             if entry.future.done():  # the caller may have gone while it ran
                 continue
-            if alone_error is not None:
+            if isinstance(alone_error, ServingError):  # its own status (DeviceOutOfMemory: RESOURCE_EXHAUSTED)
+                entry.future.set_exception(alone_error)
+            elif alone_error is not None:
                 entry.future.set_exception(
                     BatchFailed(
                         f"the request failed on its worker, alone after its batch of {len(entries)} failed: "

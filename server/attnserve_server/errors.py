@@ -70,6 +70,13 @@ class BatchFailed(ServingError):
     status = "INTERNAL"
 
 
+class DeviceOutOfMemory(ServingError):
+    """The device ran out of memory for this request's computation: one that fits the batch memory budget,
+    but not what the device had free then (other batches, fragmentation). Retry later, or smaller."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class WorkerLost(ServingError):
     """A worker's device can compute no more (a CUDA error that outlives its batch poisons the process's
     context): its batcher stops and the server exits non-zero, for the orchestrator to restart it. The

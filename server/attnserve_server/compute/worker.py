@@ -35,7 +35,7 @@ from attnserve_server.domain import (
     ModelSpec,
     compute_macs,
 )
-from attnserve_server.errors import WorkerLost
+from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.runtime.os_threads import name_os_thread, named_threads
 
 
@@ -260,6 +260,12 @@ class DeviceWorker:
             torch.set_grad_enabled(False)
         try:
             return self._run(requests)
+        except torch.OutOfMemoryError as exc:  # the device serves on: a smaller batch may fit
+            sequences = sum(r.sequences for r in requests)
+            raise DeviceOutOfMemory(
+                f"{self.name} ran out of memory for a batch of {len(requests)} request(s), {sequences} sequence(s): "
+                f"{str(exc).splitlines()[0] if str(exc) else 'out of memory'}"
+            ) from exc
         except Exception as exc:
             if self._cuda and not self._device_usable():
                 raise WorkerLost(f"{self.name} can compute no more: {type(exc).__name__}: {exc}") from exc
