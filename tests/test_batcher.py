@@ -546,6 +546,22 @@ def test_a_lost_worker_answers_its_batch_unavailable_stops_the_batcher_and_says_
     run(main())
 
 
+def test_the_oldest_batch_in_flight_is_timed_for_the_watchdog() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits())
+        assert b.oldest_in_flight_s() == 0.0
+        blocker, threads = await occupy(b, runner)
+        first = b.oldest_in_flight_s()
+        await until(lambda: b.oldest_in_flight_s() > first)  # it grows while the batch computes
+        runner.gate.set()
+        await blocker
+        await until(lambda: b.oldest_in_flight_s() == 0.0)
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_runner_returning_the_wrong_number_of_results_fails_the_batch() -> None:
     async def main() -> None:
         def short(items: list[object]) -> list[object]:

@@ -504,3 +504,53 @@ def test_perf_analyzer_drives_the_kserve_api_and_reads_server_statistics(tmp_pat
     # requests and errors are the server's own counts over each run (ModelStatistics), of both lengths in turn.
     assert all(row["requests"] > 0 and row["errors"] == 0 and row["throughput_rps"] > 0 for row in rows)
     assert "Server: " in r.stderr and "Successful request count" in r.stderr  # perf_analyzer read the statistics
+
+
+STUCK_SERVER = """
+import asyncio, logging, os, sys, threading
+import numpy as np
+sys.path.insert(0, os.getcwd())  # tests/
+from conftest import model, settings
+from attnserve_server.app import AttnServer
+from attnserve_server.compute.worker import DeviceWorker
+
+class StuckWorker(DeviceWorker):
+    def run(self, requests):  # a query whose first element is 777 never comes back: a fault injected
+        if any(np.frombuffer(r.query.data, dtype="<f4", count=1)[0] == 777.0 for r in requests):
+            threading.Event().wait()
+        return super().run(requests)
+
+async def main():
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    server = AttnServer(settings(model(embed_dim=32, num_heads=4), worker_stall_s=0.5), worker_factory=StuckWorker)
+    await server.start()
+    print("ready", server.port, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_stuck_worker_ends_the_process_with_status_1_and_says_why(tmp_path: Path) -> None:
+    # In a process of its own (the verdict is the process's end), built as `attnserve serve` builds it,
+    # with a worker that never returns from one request: on a quiet server that request computes on the
+    # event loop itself, which the watchdog does not need.
+    script = tmp_path / "stuck_server.py"
+    script.write_text(STUCK_SERVER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        ready = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert ready[:1] == ["ready"], proc.stderr.read()  # type: ignore[union-attr]
+        with Client(f"127.0.0.1:{ready[1]}", timeout_s=30) as c, pytest.raises(AttnServeError) as err:
+            c.attend(np.full((3, 32), 777.0, np.float32))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert proc.wait(timeout=30) == 1
+        log = proc.stderr.read()  # type: ignore[union-attr]
+        assert re.search(r"'default': a batch has been computing for [\d.]+ s, over worker_stall_s \(0.5 s\)", log)
+        assert "its worker is stuck; exiting now with status 1" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

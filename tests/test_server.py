@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 import shutil
 import subprocess
+import threading
 
 import grpc
 import numpy as np
@@ -20,6 +21,7 @@ from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.dispatch import answer_concurrently
 from attnserve_server.errors import WorkerLost
+from attnserve_server.runtime.watchdog import Watchdog
 
 from conftest import TEST_EDGES, FailingWorker, Running, model, running, settings
 
@@ -540,6 +542,28 @@ def test_a_batch_out_of_device_memory_runs_request_by_request_and_what_never_fit
         for future in (futures[0], futures[2]):
             answer = future.result(timeout=30)
             assert answer.timing.batch_size == 1 and answer.output.shape == (3, E)
+
+
+def test_the_watchdog_reports_the_first_batch_computing_too_long_once() -> None:
+    ages = {"default": 0.0, "other": 0.0}
+    stalled: list[tuple[str, float]] = []
+    called = threading.Event()
+
+    def on_stall(model: str, age_s: float) -> None:
+        stalled.append((model, age_s))
+        called.set()
+
+    dog = Watchdog(0.2, [lambda name=name: (name, ages[name]) for name in ages], on_stall)
+    dog.start()
+    try:
+        assert not called.wait(0.5)  # nothing computing: no verdict
+        ages["other"] = 0.15  # under the limit
+        assert not called.wait(0.3)
+        ages["default"], ages["other"] = 4.0, 3.0
+        assert called.wait(5)
+    finally:
+        dog.close()
+    assert stalled == [("default", 4.0)]  # one verdict: the process ends with it
 
 
 class LosingWorker(DeviceWorker):

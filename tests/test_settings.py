@@ -172,3 +172,9 @@ def test_the_pipeline_work_bound_reaches_cpu_batchers_only() -> None:
     assert limits_from_settings(on, cpu=False).pipeline_work == 0  # a GPU wants its batches whole
     with pytest.raises(ConfigError, match=r"batching.pipeline_macs: expected >= 0, got -1"):
         load_settings(env={}, flags={"pipeline_macs": -1})
+
+
+def test_the_readme_documents_every_setting_by_its_flag_and_its_environment_variable() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    undocumented = [opt.flag for opt in OPTIONS if f"`--{opt.flag}`" not in readme or opt.env not in readme]
+    assert undocumented == [], f"README.md's configuration tables lack {undocumented}"

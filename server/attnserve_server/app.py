@@ -20,6 +20,7 @@ from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
 from attnserve_server.runtime.cpu_layout import QuietLayout
 from attnserve_server.runtime.idle_spin import IdleSpin
+from attnserve_server.runtime.watchdog import Watchdog
 from attnserve_server.settings import ServerSettings
 from attnserve_server.tracing import Tracing
 from attnserve_server.tracing import from_environment as tracing_from_environment
@@ -84,6 +85,7 @@ class AttnServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self.failed = asyncio.Event()
+        self._watchdog: Watchdog | None = None  # from start, with worker_stall_s > 0
 
     def _on_quiet(self) -> None:
         """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop). While the
@@ -172,6 +174,9 @@ class AttnServer:
         )
         if self.idle_spin is not None:
             self.idle_spin.start()
+        if s.worker_stall_s > 0:
+            self._watchdog = Watchdog(s.worker_stall_s, [m.computing_s for m in self.models.values()])
+            self._watchdog.start()
         if self._layout_wanted:
             (served,) = self.models.values()
             team = served.cpu_team()
@@ -228,6 +233,8 @@ class AttnServer:
             self.layout.close()  # every thread free again
         for served in self.models.values():
             await asyncio.to_thread(served.close)
+        if self._watchdog is not None:  # last: a worker stuck while closing still ends the process
+            self._watchdog.close()
         if self.idle_spin is not None:
             await asyncio.to_thread(self.idle_spin.close)
         if self._metrics_http is not None:

@@ -195,9 +195,11 @@ class _Batch(Generic[T]):
     waits_s: list[float]  # each entry's time in the queue
     shared: bool = False  # computes on a share of the worker's threads, beside another batch (pairing)
     items: list[T] = field(init=False)
+    taken: float = field(init=False)  # time.monotonic() when it was taken to compute
 
     def __post_init__(self) -> None:
         self.items = [e.item for e in self.entries]
+        self.taken = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,12 @@ class Batcher(Generic[T, R]):
     @property
     def depth(self) -> int:
         return self._depth
+
+    def oldest_in_flight_s(self) -> float:
+        """How long the batch computing longest has been at it (0 if none): for the watchdog (any thread)."""
+        with self._cond:
+            oldest = min((b.taken for b in self._in_flight), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
 
     def start(self) -> None:
         """Binds the batcher to the running loop, where its callers' answers are delivered."""

@@ -181,6 +181,10 @@ class ServedModel:
                 ", ".join(sorted(FLOAT16_FLAGS)),
             )
 
+    def computing_s(self) -> tuple[str, float]:
+        """(name, how long its longest-running batch has been computing): the watchdog's probe (any thread)."""
+        return self.spec.name, 0.0 if self._batcher is None else self._batcher.oldest_in_flight_s()
+
     def _broken(self, exc: BaseException) -> None:
         """The batcher stopped for good: later requests are refused UNAVAILABLE by it (BatcherStopped)."""
         if self._on_broken is not None:

@@ -125,6 +125,9 @@ class ServerSettings:
     metrics_tls_key: str | None = None
     metrics_tls_client_ca: str | None = None  # scrapers must present a certificate it signed
     grace_s: float = 10.0
+    # A batch computing longer than this means its worker is stuck: the server exits 1 at once
+    # (runtime/watchdog.py); 0: never.
+    worker_stall_s: float = 600.0
     max_message_bytes: int = 256 * 1024 * 1024
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
@@ -199,6 +202,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics-tls-key", "server", str, "PEM private key of --metrics-tls-cert"),
     Option("metrics-tls-client-ca", "server", str, "PEM CA that scrapers' client certificates must chain to"),
     Option("grace-s", "server", float, "seconds to finish accepted requests on SIGTERM (default 10)"),
+    Option(
+        "worker-stall-s",
+        "server",
+        float,
+        "a batch computing longer than this means its worker is stuck: the server logs it and exits 1 at once,"
+        " for the orchestrator to restart it; 0: never (default 600)",
+    ),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
     Option(
         "stream-window",
@@ -568,6 +578,10 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
+    _check(
+        math.isfinite(settings.worker_stall_s) and settings.worker_stall_s >= 0,
+        f"worker_stall_s: expected >= 0, got {settings.worker_stall_s}",
+    )
     _check(
         settings.torch_threads is None or settings.torch_threads >= 1,
         f"torch_threads: expected >= 1, got {settings.torch_threads}",
