@@ -113,7 +113,7 @@ def test_a_server_with_cuda_graphs_serves_and_matches_the_cpu_reference() -> Non
     assert float(np.abs(got.output - reference(q, [17, 17, 17], False)).max()) <= 1e-4
 
 
-def test_a_cuda_error_that_poisons_the_context_makes_the_worker_lost_and_others_do_not() -> None:
+def test_a_cuda_error_that_poisons_the_context_makes_the_worker_lost_and_out_of_memory_does_not() -> None:
     # In a process of its own: a device-side assert leaves that process's CUDA context unusable.
     import subprocess
     import sys
@@ -122,7 +122,7 @@ def test_a_cuda_error_that_poisons_the_context_makes_the_worker_lost_and_others_
 import torch
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.errors import WorkerLost
+from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.model import spec_from_settings
 from attnserve_server.settings import ModelSettings
 from conftest import request
@@ -138,7 +138,7 @@ try:
     worker.run([req])
 except WorkerLost:
     raise SystemExit("an out-of-memory error must leave the device usable")
-except torch.cuda.OutOfMemoryError:
+except DeviceOutOfMemory:
     pass
 worker._run = real
 worker.run([req])  # still computes
