@@ -546,6 +546,30 @@ def test_a_lost_worker_answers_its_batch_unavailable_stops_the_batcher_and_says_
     run(main())
 
 
+def test_a_worker_lost_while_a_failed_batch_runs_again_alone_ends_the_runner_and_answers_the_batch() -> None:
+    calls: list[list[object]] = []
+
+    def runner(items: list[object]) -> list[object]:
+        calls.append(list(items))
+        if len(items) > 1:
+            raise RuntimeError("boom")
+        raise WorkerLost("cuda:0 can compute no more: RuntimeError: CUDA error: an illegal memory access")
+
+    async def main() -> None:
+        broken: list[BaseException] = []
+        b = Batcher(limits(max_batch_size=2, max_queue_delay_s=WAIT_S * 4))  # closes at two
+        b.on_broken(broken.append)
+        threads = start(b, runner)
+        results = await asyncio.gather(submit(b, "a"), submit(b, "b"), return_exceptions=True)
+        assert all(isinstance(r, WorkerLost) for r in results)
+        assert calls == [["a", "b"], ["a"]]  # no run alone after the worker was lost
+        await until(lambda: bool(broken))
+        await until(lambda: not threads[0].is_alive())
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_the_oldest_batch_in_flight_is_timed_for_the_watchdog() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -213,6 +213,8 @@ def _run_alone(runner: Runner, item: T) -> object:
     """One request of a failed batch, run again alone on the batch's runner: its result, or _Alone."""
     try:
         (result,) = runner([item])
+    except WorkerLost:
+        raise  # the runner's end: the whole batch is answered with it
     except Exception as exc:
         return _Alone(exc)
     return result
