@@ -29,8 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import AttnServeError, Client
 from attnserve_server.runtime import openmp
+from attnserve_server.solo import STREAK
 
-from conftest import TEST_LOOP, Running
+from conftest import TEST_EDGES, TEST_LOOP, Running
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -524,17 +525,18 @@ async def main():
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     server = AttnServer(settings(model(embed_dim=32, num_heads=4), worker_stall_s=0.5), worker_factory=StuckWorker)
     await server.start()
-    print("ready", server.port, flush=True)
+    print("ready", server.port, server.metrics_port, flush=True)
     await asyncio.Event().wait()
 
 asyncio.run(main())
 """
 
 
-def test_a_stuck_worker_ends_the_process_with_status_1_and_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_the_loop", [False, True], ids=["worker-thread", "event-loop"])
+def test_a_stuck_worker_ends_the_process_with_status_1_and_says_why(tmp_path: Path, on_the_loop: bool) -> None:
     # In a process of its own (the verdict is the process's end), built as `attnserve serve` builds it,
-    # with a worker that never returns from one request: on a quiet server that request computes on the
-    # event loop itself, which the watchdog does not need.
+    # with a worker that never returns from one request. After a streak of lone requests on a quiet
+    # server that request computes on the event loop itself (solo.py), which the watchdog does not need.
     script = tmp_path / "stuck_server.py"
     script.write_text(STUCK_SERVER)
     proc = subprocess.Popen(
@@ -543,8 +545,15 @@ def test_a_stuck_worker_ends_the_process_with_status_1_and_says_why(tmp_path: Pa
     try:
         ready = proc.stdout.readline().split()  # type: ignore[union-attr]
         assert ready[:1] == ["ready"], proc.stderr.read()  # type: ignore[union-attr]
-        with Client(f"127.0.0.1:{ready[1]}", timeout_s=30) as c, pytest.raises(AttnServeError) as err:
-            c.attend(np.full((3, 32), 777.0, np.float32))
+        with Client(f"127.0.0.1:{ready[1]}", timeout_s=30) as c:
+            if on_the_loop and TEST_EDGES == 1:
+                for _ in range(STREAK + 8):  # one at a time: the quiet streak that turns solo runs on
+                    c.attend(np.ones((3, 32), np.float32))
+                solo = f"http://127.0.0.1:{ready[2]}/metrics"
+                with urllib.request.urlopen(solo, timeout=10) as r:
+                    assert re.search(r'^attnserve_solo_batches_total\{model="default"\} [1-9]', r.read().decode(), re.M)
+            with pytest.raises(AttnServeError) as err:
+                c.attend(np.full((3, 32), 777.0, np.float32))
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         assert proc.wait(timeout=30) == 1
         log = proc.stderr.read()  # type: ignore[union-attr]
