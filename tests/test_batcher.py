@@ -520,40 +520,16 @@ def test_a_failing_batch_runs_again_one_request_at_a_time_so_only_the_failing_on
     run(main())
 
 
-def test_a_lost_worker_answers_its_batch_unavailable_stops_the_batcher_and_says_so() -> None:
-    # No run alone for a batch whose worker is lost: nothing more computes there.
-    calls: list[list[object]] = []
-
-    def lost(items: list[object]) -> list[object]:
-        calls.append(list(items))
-        raise WorkerLost("cuda:0 can compute no more: RuntimeError: CUDA error: device-side assert triggered")
-
-    async def main() -> None:
-        broken: list[BaseException] = []
-        b = Batcher(limits(max_batch_size=2, max_queue_delay_s=WAIT_S * 4))  # closes at two
-        b.on_broken(broken.append)
-        threads = start(b, lost)
-        results = await asyncio.gather(submit(b, "a"), submit(b, "b"), return_exceptions=True)
-        assert all(isinstance(r, WorkerLost) and r.status == "UNAVAILABLE" for r in results)
-        await until(lambda: bool(broken))
-        assert isinstance(broken[0], WorkerLost) and calls == [["a", "b"]]
-        with pytest.raises(BatcherStopped, match=r"batcher stopped.*the server is stopping") as err:
-            await b.submit("after", sequences=1, length=1, group="g")
-        assert err.value.status == "UNAVAILABLE"
-        await until(lambda: not threads[0].is_alive())
-        await stop(b, threads)
-
-    run(main())
-
-
-def test_a_worker_lost_while_a_failed_batch_runs_again_alone_ends_the_runner_and_answers_the_batch() -> None:
+@pytest.mark.parametrize("when", ["batch", "alone"])
+def test_a_lost_worker_answers_its_batch_unavailable_stops_the_batcher_and_says_so(when: str) -> None:
+    # Lost on the batch itself, or while a failed batch runs again alone: nothing more computes there.
     calls: list[list[object]] = []
 
     def runner(items: list[object]) -> list[object]:
         calls.append(list(items))
-        if len(items) > 1:
+        if when == "alone" and len(items) > 1:
             raise RuntimeError("boom")
-        raise WorkerLost("cuda:0 can compute no more: RuntimeError: CUDA error: an illegal memory access")
+        raise WorkerLost("cuda:0 can compute no more: RuntimeError: CUDA error: device-side assert triggered")
 
     async def main() -> None:
         broken: list[BaseException] = []
@@ -561,9 +537,13 @@ def test_a_worker_lost_while_a_failed_batch_runs_again_alone_ends_the_runner_and
         b.on_broken(broken.append)
         threads = start(b, runner)
         results = await asyncio.gather(submit(b, "a"), submit(b, "b"), return_exceptions=True)
-        assert all(isinstance(r, WorkerLost) for r in results)
-        assert calls == [["a", "b"], ["a"]]  # no run alone after the worker was lost
+        assert all(isinstance(r, WorkerLost) and r.status == "UNAVAILABLE" for r in results)
+        assert calls == ([["a", "b"]] if when == "batch" else [["a", "b"], ["a"]])
         await until(lambda: bool(broken))
+        assert isinstance(broken[0], WorkerLost)
+        with pytest.raises(BatcherStopped, match=r"batcher stopped.*the server is stopping") as err:
+            await b.submit("after", sequences=1, length=1, group="g")
+        assert err.value.status == "UNAVAILABLE"
         await until(lambda: not threads[0].is_alive())
         await stop(b, threads)
 
