@@ -596,23 +596,30 @@ def test_the_worker_times_a_measured_batch_on_each_count_and_reports_the_threads
         w.close()
 
 
-def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_cpu(monkeypatch) -> None:
-    seen: list[tuple[int, int, float | None]] = []
+def on_cpu_shares(monkeypatch: pytest.MonkeyPatch, batches: int) -> list[float | None]:
+    """Runs `batches` batches of two requests on a two-thread worker that measures every batch of several,
+    and returns the on-CPU share the worker told its chooser for each."""
+    seen: list[float | None] = []
     record = ThreadChooser.record
 
     def spy(self, threads, macs, seconds, requests, on_cpu=None):
-        seen.append((threads, requests, on_cpu))
+        if requests == 2:
+            seen.append(on_cpu)
         return record(self, threads, macs, seconds, requests, on_cpu)
 
     monkeypatch.setattr(ThreadChooser, "record", spy)
     w = worker(torch_threads=2, small_batch_macs=1)  # every batch of several requests is measured
     try:
         batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
-        for _ in range(4):
+        for _ in range(batches):
             w.executor.submit(w.run, batch).result()
     finally:
         w.close()
-    several = [on_cpu for _threads, requests, on_cpu in seen if requests == 2]
+    return seen
+
+
+def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_cpu(monkeypatch) -> None:
+    several = on_cpu_shares(monkeypatch, 4)
     assert len(several) == 4 and all(on_cpu is not None and 0.0 < on_cpu <= 1.0 for on_cpu in several)
 
 
@@ -631,24 +638,8 @@ def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_
         def thread_time() -> float:
             return 3.0 * real_time.thread_time()
 
-    seen: list[float | None] = []
-    record = ThreadChooser.record
-
-    def spy(self, threads, macs, seconds, requests, on_cpu=None):
-        if requests == 2:
-            seen.append(on_cpu)
-        return record(self, threads, macs, seconds, requests, on_cpu)
-
-    monkeypatch.setattr(ThreadChooser, "record", spy)
     monkeypatch.setattr(worker_module, "time", AheadClock())
-    w = worker(torch_threads=2, small_batch_macs=1)
-    try:
-        batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
-        for _ in range(2):
-            w.executor.submit(w.run, batch).result()
-    finally:
-        w.close()
-    assert seen == [1.0, 1.0]
+    assert on_cpu_shares(monkeypatch, 2) == [1.0, 1.0]
 
 
 def test_a_batchs_multiply_adds_count_projections_and_attention() -> None:
