@@ -625,7 +625,9 @@ def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_
 
 def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_wall_clock(monkeypatch) -> None:
     # The two clocks tick apart; on a short batch CI once read a share of 1.012. Here the thread clock
-    # runs three times the wall clock, so an unclamped share would read ~3.
+    # gains twice the wall clock's time on top of its own, so an unclamped share reads at least 2 however
+    # little of the batch the thread spends on a CPU (three times the thread's own time alone read 0.70
+    # once on a busy CI machine: the thread had been off the CPU for three quarters of the batch).
     import time as real_time
 
     from attnserve_server.compute import worker as worker_module
@@ -636,7 +638,7 @@ def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_
 
         @staticmethod
         def thread_time() -> float:
-            return 3.0 * real_time.thread_time()
+            return real_time.thread_time() + 2.0 * real_time.perf_counter()
 
     monkeypatch.setattr(worker_module, "time", AheadClock())
     assert on_cpu_shares(monkeypatch, 2) == [1.0, 1.0]
