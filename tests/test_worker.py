@@ -582,7 +582,10 @@ def test_a_time_that_is_no_time_is_not_learned() -> None:
     assert chooser.pick(MEASURED, 12) == (2, True)
 
 
-def test_the_worker_times_a_measured_batch_on_each_count_and_reports_the_threads() -> None:
+def test_the_worker_times_a_measured_batch_on_each_count_and_reports_the_threads(on_cpu_throughout) -> None:
+    # The worker's thread reads as on a CPU throughout each batch: a busy machine (CI once) would
+    # otherwise make one thread's batches seem to wait for a core, and a lone request then keeps to one
+    # thread under load, as it should (ThreadChooser's LONE_UNDER_LOAD), not the case tested here.
     w = worker(torch_threads=2, small_batch_macs=1)  # every batch of several requests is measured
     try:
         batch = [request(np.random.default_rng(i).standard_normal((8, 16, 16), dtype=np.float32)) for i in range(2)]
@@ -623,11 +626,11 @@ def test_the_worker_tells_its_chooser_what_share_of_a_batch_its_thread_ran_on_a_
     assert len(several) == 4 and all(on_cpu is not None and 0.0 < on_cpu <= 1.0 for on_cpu in several)
 
 
-def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_wall_clock(monkeypatch) -> None:
-    # The two clocks tick apart; on a short batch CI once read a share of 1.012. Here the thread clock
-    # gains twice the wall clock's time on top of its own, so an unclamped share reads at least 2 however
-    # little of the batch the thread spends on a CPU (three times the thread's own time alone read 0.70
-    # once on a busy CI machine: the thread had been off the CPU for three quarters of the batch).
+@pytest.fixture
+def on_cpu_throughout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's thread clock gains twice the wall clock's time on top of its own, so every batch's
+    on-CPU share reads at least 2 before the worker clamps it, however little of the batch the thread
+    spent on a CPU (three times the thread's own time alone read 0.70 once on a busy CI machine)."""
     import time as real_time
 
     from attnserve_server.compute import worker as worker_module
@@ -641,6 +644,12 @@ def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_
             return real_time.thread_time() + 2.0 * real_time.perf_counter()
 
     monkeypatch.setattr(worker_module, "time", AheadClock())
+
+
+def test_the_on_cpu_share_stays_a_share_when_the_thread_clock_runs_ahead_of_the_wall_clock(
+    monkeypatch, on_cpu_throughout
+) -> None:
+    # The two clocks tick apart; on a short batch CI once read a share of 1.012.
     assert on_cpu_shares(monkeypatch, 2) == [1.0, 1.0]
 
 
