@@ -496,7 +496,7 @@ class SmallMemoryWorker(DeviceWorker):
 
     def _run(self, requests):  # under DeviceWorker.run, which turns torch's error into the answer
         if len(requests) > 2 or np.frombuffer(requests[0].query.data, dtype="<f4", count=1)[0] == 999.0:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return super()._run(requests)
 
 

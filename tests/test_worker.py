@@ -976,7 +976,7 @@ def test_a_batch_out_of_device_memory_is_resource_exhausted_and_leaves_the_worke
     monkeypatch.setattr(w, "_device_usable", lambda: pytest.fail("probed the device after out of memory"))
 
     def out_of_memory(requests):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
 
     monkeypatch.setattr(w, "_run", out_of_memory)
     with pytest.raises(DeviceOutOfMemory) as err:
