@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 TOOLS_VERSION=1.71.2
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-TOOLS_DIR=.cache/grpcio-tools-$TOOLS_VERSION
+# grpcio-tools is compiled per interpreter: one directory per Python version.
+TOOLS_DIR=.cache/grpcio-tools-$TOOLS_VERSION-$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 if [ ! -d "$TOOLS_DIR/grpc_tools" ]; then
   "$PY" -m pip install -q --no-deps --target "$TOOLS_DIR" "grpcio-tools==$TOOLS_VERSION"
 fi
