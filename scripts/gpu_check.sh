@@ -17,8 +17,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/client:$PWD/server${PYTHONPATH:+:$PYTHONPATH}
 
-# 1. imports and the device (<= 30 s): the generated stubs need grpcio >= 1.71.2; health and
-#    reflection come only from the carried wheels.
+# 1. imports and the device (<= 30 s): the generated stubs need grpcio >= 1.71.2 and protobuf >= 5.29;
+#    health and reflection come only from the carried wheels.
 timeout 30 python3 - <<'PY' 2>&1 | tee "$OUT/machine.txt"
 import sys
 missing = []
@@ -34,6 +34,8 @@ import grpc, torch, google.protobuf as pb
 version = tuple(int(x) for x in grpc.__version__.split(".")[:3])
 if version < (1, 71, 2):
     sys.exit(f"gpu_check: grpcio {grpc.__version__} is older than 1.71.2, which the generated stubs need")
+if tuple(int(x) for x in pb.__version__.split(".")[:2]) < (5, 29):
+    sys.exit(f"gpu_check: protobuf {pb.__version__} is older than 5.29, which the generated code needs")
 if not torch.cuda.is_available():
     sys.exit("gpu_check: torch sees no CUDA device")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "grpc", grpc.__version__, "protobuf", pb.__version__)
