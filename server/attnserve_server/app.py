@@ -86,6 +86,7 @@ class AttnServer:
         self.health_port: int | None = None
         self.failed = asyncio.Event()
         self._watchdog: Watchdog | None = None  # from start, with worker_stall_s > 0
+        self._health_updates: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
 
     def _on_quiet(self) -> None:
         """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop). While the
@@ -102,7 +103,9 @@ class AttnServer:
     def _model_broken(self, model: str, exc: BaseException) -> None:
         """A model can serve no more (on the loop): its health turns NOT_SERVING and the server stops."""
         log.critical("model %r can serve no more (%s): stopping, to exit non-zero", model, exc)
-        asyncio.get_running_loop().create_task(self._health.set(model, NOT_SERVING))
+        update = asyncio.get_running_loop().create_task(self._health.set(model, NOT_SERVING))
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
         self.failed.set()
 
     def _on_busy(self) -> None:
