@@ -5,7 +5,7 @@
 # own versions of grpcio, protobuf, prometheus-client, safetensors and pyyaml, so a floor that the code
 # has outgrown would first show there, in the one device call a session gets.
 #
-#   scripts/floors.sh [pytest args]      (.ci/run: scripts/floors.sh -m "not slow")
+#   scripts/floors.sh [pytest args]      (.ci/run: scripts/floors.sh -q -m "not slow")
 #
 # Not at their floors here:
 # - torch stays the local CPU wheel ./dev installs (TORCH_SPEC): PyPI's older torch wheels are the
