@@ -3,12 +3,17 @@
 # else runs without them), then the CUDA tests and the parity suites on CUDA, then the benchmarks.
 #   here:   scripts/fetch_gpu_wheels.sh          (the wheels the device image lacks, into .whl/)
 #   device: run carry [".whl"], timeout_s 500, command "bash scripts/gpu_check.sh"
-# Writes logs and JSON under $OUT (the device tool's folder) or /tmp/attnserve-gpu. Exit 0 only if
-# every step passed; each step has its own time limit, and together they stay under 7.5 minutes (445 s).
+# Writes its logs and JSON, packed, to $OUT/gpu-check.tgz ($OUT: the device tool's folder, else
+# /tmp/attnserve-gpu). Exit 0 only if every step passed; each step has its own time limit, and
+# together they stay under 7.5 minutes (445 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/attnserve-gpu}
-mkdir -p "$OUT"
+# The device tool returns at most 8 files, so every log and JSON goes into one folder that is packed
+# into $OUT/gpu-check.tgz on exit, whatever step ends the run.
+RESULTS=${OUT:-/tmp/attnserve-gpu}
+OUT=$(mktemp -d)
+mkdir -p "$RESULTS"
+trap 'tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" .' EXIT
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
