@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
 from attnserve_server.runtime import allocator, openmp, pyheap
@@ -172,10 +172,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name, factory = loop_factory(settings.event_loop)
         logging.getLogger("attnserve").info("event loop: %s", name)
         with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(_serve(settings))
+            code = runner.run(_serve(settings))
     except ConfigError as exc:  # weights that do not fit the config surface while loading
         print(f"attnserve: configuration error: {exc}", file=sys.stderr)
         return 2
+    if code != 0:
+        _exit_unfinalized(code)
+    return code
+
+
+def _exit_unfinalized(code: int) -> NoReturn:
+    """Ends a server whose model could serve no more at once, its logs and output flushed. Its device's
+    CUDA context may be poisoned (a device-side assert, an illegal address, a lost GPU): then torch's
+    tensor destructors abort the interpreter's exit (SIGABRT and a C++ trace, seen on an H200), and
+    the orchestrator would read a crash instead of the exit status that says the server stopped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _summary(name: str, arr: Any) -> str:
