@@ -15,6 +15,8 @@ mkdir -p "$RESULTS"
 trap 'tar czf "$RESULTS/gpu-profile.tgz" -C "$WORK" .' EXIT
 export PYTHONUNBUFFERED=1
 GPU_ARGS=${GPU_ARGS:---device cuda --dtype bfloat16}
+DTYPE=$(sed -n 's/.*--dtype \([a-z0-9]*\).*/\1/p' <<<"$GPU_ARGS")
+export DTYPE=${DTYPE:-float32} # the model's, for the bytes profile.sh sends
 SCALE=${SCALE:-1} # seconds of load per level, as a multiple of the defaults below
 
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${NO_WHEELS:-}" ]; then
@@ -53,14 +55,15 @@ status=0
 timeout 60 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 |
   tee "$WORK/tests-cuda.log" | tail -n 3 || status=1
 
-# 2. profile.sh at each level (each <= 45 s): NAME, then VAR=value pairs for profile.sh.
+# 2. profile.sh at each level (each ~25 s, <= 45 s): NAME, then VAR=value pairs for profile.sh.
 level() {
   local name=$1
   shift
   local seconds
-  seconds=$(python3 -c "print(max(6, round(${SECONDS_PA:-8} * $SCALE)))")
+  seconds=$(python3 -c "print(max(9, round(${SECONDS_PA:-9} * $SCALE)))")
   echo "== $name: $*"
-  env SECONDS_PA="$seconds" SECONDS_SPY=$((seconds / 2)) SPY=0 "$@" timeout 45 bash scripts/profile.sh "$WORK/$name" \
+  # profile.sh records from perf_analyzer's 4th second, and perf_analyzer must outlast the recording
+  env SECONDS_PA="$seconds" SECONDS_SPY=$((seconds - 5)) SPY=0 "$@" timeout 45 bash scripts/profile.sh "$WORK/$name" \
     >"$WORK/$name.log" 2>&1 || {
     status=1
     tail -n 20 "$WORK/$name.log"
@@ -71,13 +74,12 @@ W1=(E=256 H=8 L=64)
 WL=(E=1024 H=16 L=256)
 level w1-c1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS"
 level w1-c32 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS"
-level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=10
+level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=12
 level w1-c128 "${W1[@]}" CONC=128 SERVE_ARGS="$GPU_ARGS"
 level w1-c32-nospin "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0"
 level w1-c32-edges4 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 4"
 level wl-c32 "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS"
-level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=10
-level wl-c32-edges4 "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS --edge-processes 4"
+level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=12
 
 # 3. WL through `attnserve bench` with 1, 2, 4 and 8 edges and its in-process limit (<= 100 s): the
 #    figures gpu_check.sh's WL step ran out of time for.

@@ -3,7 +3,8 @@
 # perf_analyzer drives W1 over KServe v2, then a table per thread (scripts/profile_summary.py).
 #
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30; more than SECONDS_SPY + 4), SECONDS_SPY (12), MODE (sync|async),
-#                                        E (256), H (8), L (64), SERVE_ARGS (extra `attnserve serve` flags),
+#                                        E (256), H (8), L (64), DTYPE (float32: the model's, as in SERVE_ARGS),
+#                                        SERVE_ARGS (extra `attnserve serve` flags),
 #                                        PA_ARGS (extra perf_analyzer flags: "-b 8" sends 8 sequences a request,
 #                                        and its counts, so every "per request" figure, are then per sequence),
 #                                        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query)
@@ -19,7 +20,7 @@ OUT=${1:-.cache/profile-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 VENV=${ATTNSERVE_VENV:-.venv}
 CONC=${CONC:-32} SECONDS_PA=${SECONDS_PA:-30} SECONDS_SPY=${SECONDS_SPY:-12} MODE=${MODE:-sync}
-E=${E:-256} H=${H:-8} L=${L:-64}
+E=${E:-256} H=${H:-8} L=${L:-64} DTYPE=${DTYPE:-float32}
 PA=$(scripts/perf_analyzer.sh --setup)
 CUDART=$(ls -d .cache/perf-venv/lib/python3*/site-packages/nvidia/cuda_runtime/lib)
 MODEL=${MODEL:-default} INPUT=${INPUT:-query}
@@ -27,11 +28,13 @@ MODEL=${MODEL:-default} INPUT=${INPUT:-query}
 if [ -n "${INPUT_DATA:-}" ]; then
   cp "$INPUT_DATA" "$OUT/query.json"
 else
+  # the bytes of the model's own dtype, which perf_analyzer reads from its metadata; bfloat16: float32's high half
   "$VENV/bin/python" -c 'import base64, json, sys, numpy as np
-L, E = int(sys.argv[2]), int(sys.argv[3])
+L, E, dtype = int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
 x = np.random.default_rng(0).standard_normal((L, E)).astype("<f4")
+x = (x.view("<u4") >> 16).astype("<u2") if dtype == "bfloat16" else x.astype(np.dtype(dtype).newbyteorder("<"))
 json.dump({"data": [{sys.argv[4]: {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [L, E]}}]}, open(sys.argv[1], "w"))' \
-    "$OUT/query.json" "$L" "$E" "$INPUT"
+    "$OUT/query.json" "$L" "$E" "$INPUT" "$DTYPE"
 fi
 
 if [ -z "${PID:-}" ]; then
