@@ -31,9 +31,12 @@ command -v py-spy >/dev/null || { echo "gpu_profile: no py-spy: run scripts/fetc
 # with the tree on PYTHONPATH), and perf_analyzer with its libraries where scripts/perf_analyzer.sh keeps them.
 VENV=$(mktemp -d)
 mkdir -p "$VENV/bin"
-ln -s "$(command -v python3)" "$VENV/bin/python"
+# a wrapper, not a link: a link to a virtual environment's python outside it loses that environment
+printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$VENV/bin/python"
+chmod +x "$VENV/bin/python"
 printf '#!/bin/sh\nexec python3 -m attnserve_server "$@"\n' >"$VENV/bin/attnserve"
 chmod +x "$VENV/bin/attnserve"
+"$VENV/bin/python" -c "import numpy" || exit 3
 export ATTNSERVE_VENV=$VENV
 if [ ! -x .cache/perf-venv/bin/perf_analyzer ]; then
   [ -x .whl/pa/perf_analyzer ] || { echo "gpu_profile: no perf_analyzer in .whl/pa: run scripts/fetch_gpu_wheels.sh" >&2; exit 3; }
@@ -51,13 +54,16 @@ fi
 } 2>&1 | tee "$WORK/machine.txt"
 
 status=0
+STEPS=${STEPS:-tests,profile,bench} # which of the three steps below to run; LEVELS: a regex of step 2's names
 # 1. The CUDA tests, again after the first device run's one failure (<= 60 s).
-timeout 60 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 |
+[[ $STEPS == *tests* ]] && timeout 60 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 |
   tee "$WORK/tests-cuda.log" | tail -n 3 || status=1
 
 # 2. profile.sh at each level (each ~25 s, <= 45 s): NAME, then VAR=value pairs for profile.sh.
 level() {
+  [[ $STEPS == *profile* ]] || return 0
   local name=$1
+  [[ $name =~ ^(${LEVELS:-.*})$ ]] || return 0
   shift
   local seconds
   seconds=$(python3 -c "print(max(9, round(${SECONDS_PA:-9} * $SCALE)))")
@@ -68,7 +74,8 @@ level() {
     status=1
     tail -n 20 "$WORK/$name.log"
   }
-  [ -f "$WORK/$name/summary.md" ] && grep -v "^| ---" "$WORK/$name/summary.md" | head -n 40
+  # each level's summary also comes back on its own, should the call end before the archive is packed
+  [ -f "$WORK/$name/summary.md" ] && cp "$WORK/$name/summary.md" "$RESULTS/$name.md" && head -n 3 "$RESULTS/$name.md"
 }
 W1=(E=256 H=8 L=64)
 WL=(E=1024 H=16 L=256)
@@ -83,6 +90,7 @@ level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SECO
 
 # 3. WL through `attnserve bench` with 1, 2, 4 and 8 edges and its in-process limit (<= 100 s): the
 #    figures gpu_check.sh's WL step ran out of time for.
+[[ $STEPS == *bench* ]] || exit $status
 echo "== bench wl"
 # shellcheck disable=SC2086 # GPU_ARGS: words on purpose
 timeout 100 python3 -m attnserve_server bench $GPU_ARGS --duration-s "$(python3 -c "print(2 * $SCALE)")" \
