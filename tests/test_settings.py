@@ -88,6 +88,8 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_MAX_CONNECTION_AGE_S": "-1"}, "max_connection_age_s: expected >= 0, got -1.0"),
         ({"ATTNSERVE_KEEPALIVE_S": "inf"}, "keepalive_s: expected >= 0, got inf"),
         ({"ATTNSERVE_CLIENT_PING_MIN_S": "-2"}, "client_ping_min_s: expected >= 0, got -2.0"),
+        ({"ATTNSERVE_EDGE_PROCESSES": "0"}, "edge_processes: expected auto or >= 1, got 0"),
+        ({"ATTNSERVE_EDGE_PROCESSES": "many"}, "ATTNSERVE_EDGE_PROCESSES: invalid literal for int"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
@@ -131,6 +133,35 @@ def test_auto_dtype_is_bfloat16_on_gpus_only_and_float32_otherwise() -> None:
     assert resolve_dtype("auto", [gpu, cpu]) == "float32"  # a CPU worker among them
     assert resolve_dtype("auto", [cpu]) == "float32" and resolve_dtype("auto") == "float32"
     assert resolve_dtype("float16", [gpu]) == "float16"  # what is asked for stays
+
+
+def test_edge_processes_are_auto_by_default_or_a_count_and_auto_follows_the_gpu_and_the_cpus(monkeypatch) -> None:
+    from attnserve_server.runtime import edges
+
+    assert load_settings().edge_processes is None
+    assert load_settings(env={"ATTNSERVE_EDGE_PROCESSES": "Auto"}).edge_processes is None
+    assert load_settings(flags={"edge_processes": "3"}).edge_processes == 3
+    # the measured rule (runtime/edges.py): a GPU model gets one edge per 4 CPUs, 1 to 4; a CPU model one
+    assert [edges.auto_edges(True, cpus) for cpus in (1, 2, 4, 8, 15, 16, 64)] == [1, 1, 1, 2, 3, 4, 4]
+    assert [edges.auto_edges(False, cpus) for cpus in (2, 16, 64)] == [1, 1, 1]
+    monkeypatch.setattr(edges, "usable_cpus", lambda: 16)
+    assert edges.resolve(None, ["cuda"], {}) == (4, "auto: a GPU model, 16 CPUs")
+    assert edges.resolve(None, ["cpu"], {}) == (1, "auto: no GPU model, 16 CPUs")
+    assert edges.resolve(2, ["cuda"], {}) == (2, "as set")
+    # `auto` devices count as a GPU only where a driver's device node shows and CUDA_VISIBLE_DEVICES hides none
+    assert edges.resolve(None, ["auto"], {"CUDA_VISIBLE_DEVICES": ""}) == (1, "auto: no GPU model, 16 CPUs")
+
+
+def test_usable_cpus_follow_the_affinity_and_a_container_quota(monkeypatch) -> None:
+    from attnserve_server.runtime import edges
+
+    monkeypatch.setattr(edges.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(edges, "cpu_quota", lambda: None)
+    assert edges.usable_cpus() == 16
+    monkeypatch.setattr(edges, "cpu_quota", lambda: 6.5)  # a pod limited to 6.5 CPUs
+    assert edges.usable_cpus() == 6
+    monkeypatch.setattr(edges, "cpu_quota", lambda: 0.5)
+    assert edges.usable_cpus() == 1
 
 
 def test_the_event_loop_is_uvloop_when_installed_asyncio_when_asked_and_a_clear_error_otherwise(monkeypatch) -> None:

@@ -113,7 +113,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--max-batch-size", default="64", help="comma list: one server (and sweep) per value")
     g.add_argument(
-        "--edge-processes", default="1", help="comma list: gRPC edge processes, one server (and sweep) per value"
+        "--edge-processes",
+        default="auto",
+        help="comma list: gRPC edge processes (a count, or auto: the server's default), one server (and sweep) each",
     )
     g.add_argument("--max-batch-tokens", type=int, default=65536)
     g.add_argument("--max-queue-delay-ms", type=float, default=0.0)
@@ -785,7 +787,7 @@ def run(args: argparse.Namespace) -> int:
         label = target
         if variant is not None:
             proc, target = _start_server(args, *variant)
-            label = f"max_batch={variant[0]}" + (f" edges={variant[1]}" if edge_counts != ["1"] else "")
+            label = f"max_batch={variant[0]}" + (f" edges={variant[1]}" if edge_counts != ["auto"] else "")
         try:
             with Client(target, wait_for_ready=True, timeout_s=60, **args.connection) as client:
                 info = client.model(args.model)

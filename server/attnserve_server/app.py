@@ -4,7 +4,9 @@ processes in front of it), health and the metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import ssl
 
 import grpc.aio
@@ -19,6 +21,7 @@ from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
 from attnserve_server.runtime.cpu_layout import QuietLayout
+from attnserve_server.runtime.edges import resolve as resolve_edges
 from attnserve_server.runtime.idle_spin import IdleSpin
 from attnserve_server.runtime.watchdog import Watchdog
 from attnserve_server.settings import ServerSettings
@@ -47,7 +50,9 @@ class AttnServer:
         worker_factory: WorkerFactory = DeviceWorker,
         tracer_provider: object | None = None,
     ) -> None:
-        self.settings = settings
+        edges, why = resolve_edges(settings.edge_processes, [d for m in settings.models for d in m.device], os.environ)
+        log.info("edge processes: %d (%s)", edges, why)
+        self.settings = settings = dataclasses.replace(settings, edge_processes=edges)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         # Tracing from a provider given (tests), else from OTEL_* (the `otel` extra), else off.

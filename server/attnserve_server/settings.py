@@ -163,8 +163,8 @@ class ServerSettings:
     # What stays open on the gRPC port while tokens are required: health (probes), reflection (grpcurl).
     auth_open: str = "health,reflection"
     # gRPC edge processes on the one port in front of the engine process (README: Edge processes);
-    # 1 serves gRPC in the engine's own process.
-    edge_processes: int = 1
+    # 1 serves gRPC in the engine's own process; None ("auto"): chosen at start-up (runtime/edges.py).
+    edge_processes: int | None = None
     # Triton's system shared memory extension for clients on this host (edge/shared_memory.py): off, as in Triton.
     allow_client_shm: bool = False
     # float32 matrix products on CUDA in TF32 (faster, ~10 bits of mantissa): off unless asked for.
@@ -305,8 +305,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "edge-processes",
         "server",
-        int,
-        "gRPC edge processes sharing the port in front of one engine process; 1: one process (default 1)",
+        str,
+        "gRPC edge processes sharing the port in front of one engine process; 1: one process; auto: with a "
+        "model that may run on a GPU one per 4 CPUs, at most 4, else 1 (default auto)",
     ),
     Option("event-loop", "server", str, "auto (uvloop when installed), uvloop or asyncio (default auto)"),
     Option("allow-tf32", "server", bool, "float32 models on CUDA multiply in TF32, true or false (default false)"),
@@ -428,8 +429,8 @@ def _read_file(path: Path) -> dict[str, Any]:
 def _convert(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None  # an optional setting's None is its automatic choice
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _convert(value, inner, where)
     if dataclasses.is_dataclass(hint):
@@ -605,7 +606,10 @@ def validate(settings: ServerSettings) -> None:
         settings.event_loop in EVENT_LOOPS,
         f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",
     )
-    _check(settings.edge_processes >= 1, f"edge_processes: expected >= 1, got {settings.edge_processes}")
+    _check(
+        settings.edge_processes is None or settings.edge_processes >= 1,
+        f"edge_processes: expected auto or >= 1, got {settings.edge_processes}",
+    )
     _check(
         settings.edge_arena_bytes >= 1 << 20, f"edge_arena_bytes: expected >= 1048576, got {settings.edge_arena_bytes}"
     )
