@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Where the time goes on the GPU machine: scripts/profile.sh (Triton's perf_analyzer, each process's and
 # thread's CPU per request, py-spy) on CUDA bfloat16 at W1 and WL, then WL's in-process limit through
-# `attnserve bench` with 1, 2, 4 and 8 edges. One device call of about 5 minutes; gpu_check.sh's
+# `attnserve bench` with 1, 2, 4 and 8 edges. One device call of about 6.5 minutes; gpu_check.sh's
 # Python `bench` client shares the 16 cores with the server, perf_analyzer is C++ and light.
 #   here:   scripts/fetch_gpu_wheels.sh          (wheels, py-spy and perf_analyzer into .whl/)
-#   device: run carry [".whl"], timeout_s 360, command "bash scripts/gpu_profile.sh"
-# Packs its logs into $OUT/gpu-profile.tgz ($OUT: the device tool's folder, else /tmp/attnserve-gpu).
+#   device: run carry [".whl"], timeout_s 450, command "bash scripts/gpu_profile.sh"
+# Packs its logs into $OUT/gpu-profile.tgz, and every level's summary into $OUT/levels.md ($OUT: the
+# device tool's folder, else /tmp/attnserve-gpu).
 # Rehearse on a CPU: GPU_ARGS="--device cpu" SCALE=0.5 scripts/gpu_profile.sh (with .venv's python3 on PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,19 +75,26 @@ level() {
     status=1
     tail -n 20 "$WORK/$name.log"
   }
-  # each level's summary also comes back on its own, should the call end before the archive is packed
-  [ -f "$WORK/$name/summary.md" ] && cp "$WORK/$name/summary.md" "$RESULTS/$name.md" && head -n 3 "$RESULTS/$name.md"
+  # every level's summary also goes to one file that comes back should the call end before the archive is packed
+  [ -f "$WORK/$name/summary.md" ] && { echo "## $name: $*"; cat "$WORK/$name/summary.md"; } >>"$RESULTS/levels.md" &&
+    head -n 3 "$WORK/$name/summary.md"
 }
 W1=(E=256 H=8 L=64)
 WL=(E=1024 H=16 L=256)
+# The default (auto: 4 edges on 16 CPUs) against one edge, without the idle spinners, with 8 edges and
+# with CUDA graphs; py-spy records the engine's process only, so its levels run one edge (the whole server).
 level w1-c1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS"
+level w1-c1-nospin "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0"
+level w1-c1-edges1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --edge-processes 1"
+level w1-c1-edges1-nospin "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --edge-processes 1 --idle-spin-ms 0"
 level w1-c32 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS"
-level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=12
+level w1-c32-edges1 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 1"
+level w1-c32-edges1-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 1" SPY=1 SECONDS_PA=12
+level w1-c32-edges8 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 8"
+level w1-c32-graphs "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --cuda-graphs true"
 level w1-c128 "${W1[@]}" CONC=128 SERVE_ARGS="$GPU_ARGS"
-level w1-c32-nospin "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0"
-level w1-c32-edges4 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 4"
 level wl-c32 "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS"
-level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SECONDS_PA=12
+level wl-c32-edges1-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS --edge-processes 1" SPY=1 SECONDS_PA=12
 
 # 3. WL through `attnserve bench` with 1, 2, 4 and 8 edges and its in-process limit (<= 100 s): the
 #    figures gpu_check.sh's WL step ran out of time for.
