@@ -141,6 +141,8 @@ def test_edge_processes_are_auto_by_default_or_a_count_and_auto_follows_the_gpu_
     assert load_settings().edge_processes is None
     assert load_settings(env={"ATTNSERVE_EDGE_PROCESSES": "Auto"}).edge_processes is None
     assert load_settings(flags={"edge_processes": "3"}).edge_processes == 3
+    assert load_settings(env={"ATTNSERVE_TORCH_THREADS": "auto"}).torch_threads is None  # torch's own count
+    assert load_settings(env={"ATTNSERVE_METRICS_HOST": "auto"}).metrics_host == "auto"  # a name stays a name
     # the measured rule (runtime/edges.py): a GPU model gets one edge per 4 CPUs, 1 to 4; a CPU model one
     assert [edges.auto_edges(True, cpus) for cpus in (1, 2, 4, 8, 15, 16, 64)] == [1, 1, 1, 2, 3, 4, 4]
     assert [edges.auto_edges(False, cpus) for cpus in (2, 16, 64)] == [1, 1, 1]

@@ -182,10 +182,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _exit_unfinalized(code: int) -> NoReturn:
-    """Ends a server whose model could serve no more at once, its logs and output flushed. Its device's
-    CUDA context may be poisoned (a device-side assert, an illegal address, a lost GPU): then torch's
-    tensor destructors abort the interpreter's exit (SIGABRT and a C++ trace, seen on an H200), and
-    the orchestrator would read a crash instead of the exit status that says the server stopped."""
+    """Ends a server that failed (a model that can serve no more, an edge process that died) at once,
+    its logs and output flushed. A lost model's CUDA context may be poisoned (a device-side assert, an
+    illegal address, a lost GPU): then torch's tensor destructors abort the interpreter's exit (SIGABRT
+    and a C++ trace, seen on an H200), and the orchestrator would read a crash instead of the exit
+    status that says the server stopped."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -429,9 +429,9 @@ def _read_file(path: Path) -> dict[str, Any]:
 def _convert(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-            return None  # an optional setting's None is its automatic choice
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (inner is int and isinstance(value, str) and value.strip().lower() == "auto"):
+            return None  # an optional count's None is its automatic choice (edge_processes, torch_threads)
         return _convert(value, inner, where)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
