@@ -5,7 +5,7 @@ One Python process moves a request's bytes through gRPC on one interpreter lock:
 13,000, its event loop 73% busy and the device's lanes waiting for the lock 16-20% of their time;
 four edges served 4,602, and eight no more than four (W1 3,751 against 3,576; WL 1,809 against
 2,059) (BENCHMARKS.md, GPU). On a CPU the model's own threads need those cores: on two cores a
-second edge added no throughput and cost ~0.2 ms at concurrency 1. Hence: where a model may compute
+second edge added no throughput and cost 0.2-0.35 ms at concurrency 1. Hence: where a model may compute
 on a GPU, one edge per four CPUs, at most four; otherwise one.
 """
 
