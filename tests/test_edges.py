@@ -200,6 +200,32 @@ def test_an_edge_that_dies_stops_the_server_with_a_non_zero_exit(server_process)
     assert "; exit 1" in log.splitlines()[-1], log[-2000:]  # the last word: why the orchestrator restarts it
 
 
+@pytest.mark.slow
+def test_a_failed_server_exits_with_its_status_before_the_interpreter_finalizes() -> None:
+    # A stand-in for torch's tensor destructors on a poisoned CUDA context, which abort the interpreter's
+    # exit (seen on an H200): a server that failed must end with its status before any of that runs.
+    import subprocess
+    import sys
+
+    script = "import atexit, os, sys\natexit.register(os.abort)\nfrom attnserve_server.cli import main\n"
+    script += "sys.exit(main(sys.argv[1:]))\n"
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--embed-dim", "32", "--num-heads", "4"]
+    flags += ["--device", "cpu", "--edge-processes", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and "attnserve ready" in proc.stdout.readline()
+        edges = _children(proc.pid)
+        os.kill(edges[0], signal.SIGKILL)  # the server fails: it drains the other edge and stops
+        assert proc.wait(timeout=60) == 1, proc.stderr.read()[-2000:] if proc.stderr else ""
+        assert "; exit 1" in proc.stderr.read().splitlines()[-1]  # its logs flushed first
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_an_edge_process_imports_no_torch() -> None:
     import subprocess
     import sys
