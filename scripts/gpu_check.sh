@@ -8,23 +8,14 @@
 # together they stay under 7.5 minutes (445 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The device tool returns at most 8 files, so every log and JSON goes into one folder that is packed
-# into $OUT/gpu-check.tgz on exit, whatever step ends the run.
-RESULTS=${OUT:-/tmp/attnserve-gpu}
-OUT=$(mktemp -d)
-mkdir -p "$RESULTS"
-trap 'tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" .' EXIT
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
-    { echo "gpu_check: installing the carried wheels failed" >&2; exit 3; }
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/client:$PWD/server${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=scripts/device_lib.sh
+. scripts/device_lib.sh
+device_results gpu-check
+device_python gpu_check
 
 # 1. imports and the device (<= 30 s): the generated stubs need grpcio >= 1.71.2 and protobuf >= 5.29;
 #    health and reflection come only from the carried wheels.
-timeout 30 python3 - <<'PY' 2>&1 | tee "$OUT/machine.txt"
+timeout 30 python3 - <<'PY' 2>&1 | tee "$WORK/machine.txt"
 import sys
 missing = []
 for name in ("torch", "grpc", "google.protobuf", "grpc_health.v1", "grpc_reflection.v1alpha", "prometheus_client",
@@ -53,9 +44,9 @@ status=0
 # 2. The CUDA tests (<= 60 s), then the parity suite with every model on CUDA (<= 90 s): cross
 #    attention, the bare operation, masks, per-head and averaged weights, mixed lengths in one batch.
 timeout 60 python3 -m pytest tests/test_cuda.py tests/test_worker.py -q -p no:cacheprovider -o addopts="" \
-  2>&1 | tee "$OUT/tests-cuda.log" || status=1
+  2>&1 | tee "$WORK/tests-cuda.log" || status=1
 ATTNSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest tests/test_parity.py -q -p no:cacheprovider -o addopts="" \
-  2>&1 | tee "$OUT/tests-parity-cuda.log" || status=1
+  2>&1 | tee "$WORK/tests-parity-cuda.log" || status=1
 
 # 3. Benchmarks (<= 110 + 45 + 110 s): W1 and WL in bfloat16 (the CUDA default) through the server
 #    with 1, 2, 4 and 8 edge processes, and W1 with CUDA graphs at the default edge count, with the
@@ -64,8 +55,8 @@ bench() {
   local name=$1 limit=$2
   shift 2
   timeout "$limit" python3 -m attnserve_server bench --device cuda --dtype bfloat16 --duration-s 2 --warmup-s 0.5 \
-    --inprocess-s 1.5 --json "$OUT/bench-$name.json" "$@" 2>"$OUT/bench-$name.err" |
-    tee "$OUT/bench-$name.txt" || status=1
+    --inprocess-s 1.5 --json "$WORK/bench-$name.json" "$@" 2>"$WORK/bench-$name.err" |
+    tee "$WORK/bench-$name.txt" || status=1
 }
 W1=(--embed-dim 256 --num-heads 8 --seq-len 64 --concurrency 1,32,128)
 bench w1-bf16 110 "${W1[@]}" --edge-processes 1,2,4,8

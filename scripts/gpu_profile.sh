@@ -10,22 +10,15 @@
 # Rehearse on a CPU: GPU_ARGS="--device cpu" SCALE=0.5 scripts/gpu_profile.sh (with .venv's python3 on PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=${OUT:-/tmp/attnserve-gpu}
-WORK=$(mktemp -d)
-mkdir -p "$RESULTS"
-trap 'tar czf "$RESULTS/gpu-profile.tgz" -C "$WORK" .' EXIT
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_lib.sh
+. scripts/device_lib.sh
+device_results gpu-profile
 GPU_ARGS=${GPU_ARGS:---device cuda --dtype bfloat16}
 DTYPE=$(sed -n 's/.*--dtype \([a-z0-9]*\).*/\1/p' <<<"$GPU_ARGS")
 export DTYPE=${DTYPE:-float32} # the model's, for the bytes profile.sh sends
 SCALE=${SCALE:-1} # seconds of load per level, as a multiple of the defaults below
 
-if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${NO_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
-    { echo "gpu_profile: installing the carried wheels failed" >&2; exit 3; }
-  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONPATH=$PWD/client:$PWD/server${PYTHONPATH:+:$PYTHONPATH}
+device_python gpu_profile
 command -v py-spy >/dev/null || { echo "gpu_profile: no py-spy: run scripts/fetch_gpu_wheels.sh and carry .whl" >&2; exit 3; }
 
 # profile.sh's layout: a "virtual environment" with python and attnserve (here the machine's python3
