@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the time goes on the GPU machine: scripts/profile.sh (Triton's perf_analyzer, each process's and
 # thread's CPU per request, py-spy) on CUDA bfloat16 at W1 and WL, then WL's in-process limit through
-# `attnserve bench` with 1, 2, 4 and 8 edges. One device call of about 6.5 minutes; gpu_check.sh's
+# `attnserve bench` with 1, 2, 4 and 8 edges. One device call of about 6 minutes; gpu_check.sh's
 # Python `bench` client shares the 16 cores with the server, perf_analyzer is C++ and light.
 #   here:   scripts/fetch_gpu_wheels.sh          (wheels, py-spy and perf_analyzer into .whl/)
 #   device: run carry [".whl"], timeout_s 450, command "bash scripts/gpu_profile.sh"
@@ -48,7 +48,7 @@ fi
 } 2>&1 | tee "$WORK/machine.txt"
 
 status=0
-STEPS=${STEPS:-tests,profile,bench} # which of the three steps below to run; LEVELS: a regex of step 2's names
+STEPS=${STEPS:-profile,bench} # which of the three steps below to run (tests: gpu_check.sh runs them too); LEVELS: a regex of step 2's names
 # 1. The CUDA tests, again after the first device run's one failure (<= 60 s).
 [[ $STEPS == *tests* ]] && timeout 60 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 |
   tee "$WORK/tests-cuda.log" | tail -n 3 || status=1
@@ -75,7 +75,7 @@ level() {
 W1=(E=256 H=8 L=64)
 WL=(E=1024 H=16 L=256)
 # The default (auto: 4 edges on 16 CPUs) against one edge, without the idle spinners, with 8 edges and
-# with CUDA graphs; py-spy records the engine's process only, so its levels run one edge (the whole server).
+# with CUDA graphs; py-spy at the default records the engine and every edge (--subprocesses).
 level w1-c1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS"
 level w1-c1-nospin "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0"
 level w1-c1-edges1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --edge-processes 1"
@@ -87,6 +87,8 @@ level w1-c32-edges8 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 8"
 level w1-c32-graphs "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --cuda-graphs true"
 level w1-c128 "${W1[@]}" CONC=128 SERVE_ARGS="$GPU_ARGS"
 level wl-c32 "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS"
+level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
+level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
 level wl-c32-edges1-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS --edge-processes 1" SPY=1 SECONDS_PA=12
 
 # 3. WL through `attnserve bench` with 1, 2, 4 and 8 edges and its in-process limit (<= 100 s): the

@@ -9,6 +9,8 @@
 #                                        and its counts, so every "per request" figure, are then per sequence),
 #                                        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
+#   SPY_FLAGS=--subprocesses scripts/profile.sh   py-spy records the edge processes too (--edge-processes N),
+#                                   each thread named with its process in the summary ("engine", "edge 0", ...)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput, CPU per request of the server and of perf_analyzer,
 #                                   and per thread its time on a CPU and waiting for one (the undisturbed
 #                                   figures: on 2 vCPUs py-spy halved W1's throughput at c=32)
@@ -76,7 +78,7 @@ sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
 thread_sched >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
-  py-spy record --pid "$PID" --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
+  py-spy record --pid "$PID" ${SPY_FLAGS:-} --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
     -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
 else
   sleep "$SECONDS_SPY"

@@ -2,9 +2,13 @@
 
     python scripts/profile_summary.py profile.txt [--requests N]
 
+A profile recorded with `--subprocesses` (the engine and its edge processes) names each thread with its
+process: "engine", "edge 0", "edge 1", ...
+
 Each sample is charged to one category. First by what the thread is blocked in, if anything: waiting
-to take the GIL back (after a torch call or a C call that released it), or idle (blocked in epoll, a
-lock or a condition: no work). Then a sample whose stack passes through the project's own code (or
+to take the GIL back (after a torch call or a C call that released it; also a Cython callback, such as
+uvloop's or gRPC's, blocked on a condition as it enters Python), or idle (blocked in epoll, a lock or
+a condition: no work). Then a sample whose stack passes through the project's own code (or
 prometheus_client) goes to the deepest such frame's category, so library calls made by a step are
 charged to that step (torch.frombuffer inside decoding is decoding). Otherwise the innermost frame
 decides: protobuf, gRPC's core, OpenMP (torch's thread pool), asyncio. With --requests, the busy
@@ -24,6 +28,8 @@ OWN = [
     ("decode + validate", r"attnserve_server/edge/(wire|kserve|convert)\.py"),
     ("batcher", r"attnserve_server/batching\.py"),
     ("dispatch + servicer", r"edge/dispatch\.py|edge/servicer\.py|edge/kserve_servicer\.py|attnserve_server/model\.py"),
+    # between an edge process and the engine: messages, the arena's regions (both sides)
+    ("engine link", r"multiprocess/link\.py|^(Edge|EngineLink|RemoteModel)\.\w+ \(.*attnserve_server/multiprocess/"),
     ("worker: staging + split", r"compute/worker\.py|compute/staging\.py"),
     ("worker: attention", r"compute/attention\.py"),
 ]
@@ -40,6 +46,12 @@ WAIT = re.compile(
     r"|sem_wait|sem_timedwait|do_futex_wait|__lll_lock_wait|nanosleep|clock_nanosleep|accept|recv|read )"
 )
 UNNAMED = re.compile(r"^0x[0-9a-f]+ \(")  # an address in a library without symbols (libc's futex, say)
+# Cython-generated C (uvloop's loop.c, gRPC's cygrpc): a condition wait called straight from it is the
+# callback taking the GIL to run Python (its PyGILState_Ensure has no frame of its own in py-spy).
+CYTHON = re.compile(r"\((loop|cygrpc)\.c(pp)?:\d+\)|_cython/|cygrpc")
+GIL_WAIT = re.compile(r"^(pthread_cond_wait|pthread_cond_timedwait) ")
+# A process frame of `py-spy record --subprocesses`: `process PID:"command line"`.
+PROCESS = re.compile(r'^process (\d+):"(.*)"$')
 _OWN = [(name, re.compile(p)) for name, p in OWN]
 _LIB = [(name, re.compile(p)) for name, p in LIBRARY]
 
@@ -48,7 +60,11 @@ def categorise(frames: list[str]) -> str:
     named = [f for f in frames if not UNNAMED.match(f)]
     if named and WAIT.match(named[-1]):
         # Blocked: on the GIL if a GIL-taking frame is just above the wait, else idle.
-        return "waiting for the GIL" if any(GIL.search(f) for f in named[-4:]) else "idle (blocked)"
+        if any(GIL.search(f) for f in named[-4:]):
+            return "waiting for the GIL"
+        if GIL_WAIT.match(named[-1]) and len(named) > 1 and CYTHON.search(named[-2]):
+            return "waiting for the GIL"
+        return "idle (blocked)"
     if any(GIL.search(f) for f in named[-2:]):
         return "waiting for the GIL"
     for frame in reversed(frames):  # leaf first
@@ -66,6 +82,27 @@ def categorise(frames: list[str]) -> str:
     return "other"
 
 
+def process_label(command: str) -> str:
+    """A short name for a process of the server from its command line."""
+    edge = re.search(r"edge_process .*--index (\d+)", command)
+    if edge:
+        return f"edge {edge.group(1)}"
+    return "idle spinner" if "_idle_spinner" in command else "engine"
+
+
+def thread_of(frames: list[str]) -> tuple[str, list[str]]:
+    """The thread's label, and the stack's frames below it."""
+    process = ""
+    for i, frame in enumerate(frames):
+        found = PROCESS.match(frame)
+        if found:
+            process = process_label(found.group(2))
+            continue
+        name = re.sub(r"\s*\(?0x[0-9a-f]+\)?|\s*\(\d+\)", "", frame).strip() or frame
+        return (f"{process}, {name.removeprefix('thread: ')}" if process else name), frames[i + 1 :]
+    return process or "?", []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("profile")
@@ -81,9 +118,8 @@ def main() -> None:
         stack, _, count = line.rpartition(" ")
         if not stack:
             continue
-        frames = stack.split(";")
-        thread = re.sub(r"\s*\(?0x[0-9a-f]+\)?|\s*\(\d+\)", "", frames[0]).strip() or frames[0]
-        threads[thread][categorise(frames[1:])] += int(count)
+        thread, frames = thread_of(stack.split(";"))
+        threads[thread][categorise(frames)] += int(count)
     total = sum(sum(c.values()) for c in threads.values())
     per_request_us = 1e6 / args.rate / args.requests if args.requests else 0.0
     for thread, counts in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
