@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import platform
@@ -33,7 +34,7 @@ from attnserve_server.compute.threads import (
 )
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AttentionRequest, HostTensor, compute_macs
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, compute_macs, weights_at
 from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
@@ -107,6 +108,81 @@ def test_split_cuts_each_answer_and_views_only_memory_that_is_not_reused(views: 
     batch[:] = -1  # what a reused buffer's next batch does: copies keep their bytes
     for part, rows in zip(parts, expected, strict=True):
         assert (bytes(part) == rows.tobytes()) == (type(part) is memoryview)
+
+
+def test_a_request_that_brings_room_for_its_answer_has_it_written_there() -> None:
+    # An edge process's request brings a region of its arena (AnswerRoom): the worker writes the answer
+    # there, output first and weights from weights_at, on the batch path and a lone request's.
+    w = worker()
+    try:
+        rng = np.random.default_rng(5)
+        queries = [rng.standard_normal((1, n, 16)).astype(np.float32) for n in (3, 7, 7)]
+        plain = w.run([request(q, need_weights=True) for q in queries])
+        arena = memoryview(bytearray(3 * 4096))
+        rooms = [AnswerRoom(arena[:4096]), None, AnswerRoom(arena[8192:])]
+        placed = w.run(
+            [
+                dataclasses.replace(request(q, need_weights=True), answer_into=room)
+                for q, room in zip(queries, rooms, strict=True)
+            ]
+        )
+        for got, alone, room in zip(placed, plain, rooms, strict=True):
+            assert got.in_place == (room is not None)
+            np.testing.assert_array_equal(output_of(got), output_of(alone))
+            np.testing.assert_array_equal(weights_of(got), weights_of(alone))
+            if room is not None:
+                assert bytes(room.view[: len(got.output)]) == bytes(alone.output)
+                at = weights_at(len(got.output))
+                assert bytes(room.view[at : at + len(got.weights)]) == bytes(alone.weights)  # type: ignore[arg-type]
+        assert bytes(arena[4096:8192]) == bytes(4096)  # the request without a room: nothing written for it
+        lone_room = AnswerRoom(memoryview(bytearray(4096)))
+        lone = w.run([dataclasses.replace(request(queries[0]), answer_into=lone_room)])[0]
+        assert lone.in_place and bytes(lone.output) == bytes(w.run([request(queries[0])])[0].output)
+        assert bytes(lone_room.view[: len(lone.output)]) == bytes(lone.output)
+        # A room too small, or closed (its request given up on), is not written: the answer is bytes of its own.
+        small = AnswerRoom(memoryview(bytearray(64)))
+        closed = AnswerRoom(memoryview(bytearray(4096)))
+        closed.close()
+        answers = w.run(
+            [
+                dataclasses.replace(request(queries[1]), answer_into=small),
+                dataclasses.replace(request(queries[2]), answer_into=closed),
+            ]
+        )
+        assert [a.in_place for a in answers] == [False, False]
+        assert bytes(small.view) == bytes(64) and bytes(closed.view) == bytes(4096)
+        assert output_of(answers[1]).shape == (1, 7, 16)
+    finally:
+        w.close()
+
+
+def test_closing_an_answer_room_waits_for_a_write_in_progress_and_stops_later_ones() -> None:
+    room = AnswerRoom(memoryview(bytearray(8)))
+    entered, proceed, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def write() -> None:
+        with room as view:
+            assert view is not None
+            entered.set()
+            assert proceed.wait(10)
+            view[:] = b"answered"
+
+    def close() -> None:
+        room.close()
+        closed.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=close)
+    closer.start()
+    assert not closed.wait(0.2)  # the write in progress keeps the room open until it ends
+    proceed.set()
+    writer.join(10)
+    closer.join(10)
+    assert closed.is_set() and bytes(room.view) == b"answered"
+    with room as view:
+        assert view is None  # closed: no later write starts
 
 
 def test_a_cpu_worker_computes_without_autograd_and_answers_the_same_twice() -> None:

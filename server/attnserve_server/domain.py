@@ -6,6 +6,7 @@ them as integers and never copies or converts them; the worker stages a whole ba
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -69,6 +70,44 @@ def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, 
     return elements * spec.dtype.itemsize
 
 
+# An answer written in place (AnswerRoom): the output from the room's start, the weights from the first
+# multiple of this many bytes after it.
+ANSWER_ALIGN = 64
+
+
+def weights_at(output_nbytes: int) -> int:
+    """Where an answer's weights start in its room, after `output_nbytes` of output."""
+    return -(-output_nbytes // ANSWER_ALIGN) * ANSWER_ALIGN
+
+
+class AnswerRoom:
+    """Writable memory where a request's answer should end up (a region of an edge process's arena),
+    which the worker writes the answer into (output first, weights at weights_at) instead of making it
+    bytes of its own. The room's owner takes it back with `close` before it hands the memory to anything
+    else: a write in progress finishes first, and none starts after. A caller that gives up on a request
+    its worker is computing would otherwise free memory that the worker then writes."""
+
+    __slots__ = ("_lock", "_open", "view")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view  # bytes ('B')
+        self._lock = threading.Lock()
+        self._open = True
+
+    def __enter__(self) -> memoryview | None:
+        """`with room as view:` the memory to write the answer into, None once closed; `close` waits
+        until the block ends."""
+        self._lock.acquire()
+        return self.view if self._open else None
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
 def compute_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, need_weights: bool) -> int:
     """What computing a request may hold in memory at once, estimated as the README's "Memory limits"
     section explains: the projections and outputs, B·(4·L·E + 2·S·E) elements of the model's dtype,
@@ -128,6 +167,9 @@ class AttentionRequest:
     nbytes: int = 0  # the request's tensor bytes, as they wait in the queue
     memory_bytes: int = 0  # compute_bytes(): what computing it may take
     trace: object = None  # its tracing span when tracing is on (tracing.py), for its batch's links
+    # Where its answer should end up (an edge process's arena): the worker writes it there when it fits
+    # and the room is still open (Answer.in_place).
+    answer_into: AnswerRoom | None = None
 
     @property
     def sequences(self) -> int:
@@ -198,3 +240,5 @@ class Answer:
     weights: bytes | memoryview | None  # [B, H, L, S], or [B, L, S] averaged
     weights_shape: tuple[int, ...] | None
     batch: BatchReport
+    # output (and weights) are views of the request's answer_into, written there by the worker
+    in_place: bool = False

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from attnserve_server.domain import AttentionRequest, HostTensor
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, weights_at
 
 _ALIGN = 256  # bytes: each region of the slab starts aligned for vectorised kernels
 
@@ -192,17 +192,13 @@ class Stager:
         return tensors, dev_mask
 
 
-def split(
-    batch: np.ndarray, requests: Sequence[AttentionRequest], key_axis: bool, views: bool = False
-) -> list[bytes | memoryview]:
-    """Each request's rows of a batch output, cut to its own query (and key) length.
-
-    batch is [N, ..., L, W] (output) or [N, ..., L, S] (weights, key_axis=True). A request's rows are
-    copied into bytes of their own, unless `views` (the batch's memory is not reused: a CPU output)
-    and they are contiguous already, a request not cut shorter than the batch: then its answer is a
-    byte view of the batch, and the response's framing makes the one copy (edge/framing.py).
-    """
-    out: list[bytes | memoryview] = []
+def request_rows(
+    batch: np.ndarray, requests: Sequence[AttentionRequest], key_axis: bool
+) -> list[tuple[np.ndarray, bool]]:
+    """Each request's rows of a batch output, cut to its own query (and key) length, as views of the
+    batch, and whether they were cut. batch is [N, ..., L, W] (output) or [N, ..., L, S] (weights,
+    key_axis=True)."""
+    out: list[tuple[np.ndarray, bool]] = []
     offset = 0
     length = batch.shape[-2]
     width = batch.shape[-1]
@@ -213,6 +209,44 @@ def split(
             rows, cut = rows[..., : r.query_len, :], True
         if key_axis and r.key_len < width:
             rows, cut = rows[..., : r.key_len], True
-        out.append(answer_bytes(rows, views and not cut))
+        out.append((rows, cut))
         offset += r.sequences
     return out
+
+
+def split(
+    batch: np.ndarray, requests: Sequence[AttentionRequest], key_axis: bool, views: bool = False
+) -> list[bytes | memoryview]:
+    """Each request's rows of a batch output (`request_rows`) as its answer's bytes.
+
+    A request's rows are copied into bytes of their own, unless `views` (the batch's memory is not
+    reused: a CPU output) and they are contiguous already, a request not cut shorter than the batch:
+    then its answer is a byte view of the batch, and the response's framing makes the one copy
+    (edge/framing.py).
+    """
+    return [answer_bytes(rows, views and not cut) for rows, cut in request_rows(batch, requests, key_axis)]
+
+
+def write_into(
+    room: AnswerRoom, output: np.ndarray, weights: np.ndarray | None
+) -> tuple[memoryview, memoryview | None] | None:
+    """Writes an answer into the room its request brought (AttentionRequest.answer_into): the output
+    from the start, the weights from weights_at. Returns the two byte views, or None when the answer
+    does not fit or the room was closed (nothing is written then). numpy makes the copies without
+    holding the GIL (all but the smallest), so the lane that writes keeps no other thread of the engine
+    waiting."""
+    out_n = output.nbytes
+    w_at = weights_at(out_n)
+    end = out_n if weights is None else w_at + weights.nbytes
+    with room as view:
+        if view is None or end > view.nbytes:
+            return None
+        _copy_into(view[:out_n], output)
+        if weights is None:
+            return view[:out_n], None
+        _copy_into(view[w_at:end], weights)
+        return view[:out_n], view[w_at:end]
+
+
+def _copy_into(dest: memoryview, rows: np.ndarray) -> None:
+    np.copyto(np.frombuffer(dest, dtype=rows.dtype).reshape(rows.shape), rows)

@@ -21,8 +21,9 @@ from attnserve_server.compute.staging import (
     host_tensor,
     key_mask,
     over_bytes,
-    split,
+    request_rows,
     to_numpy,
+    write_into,
 )
 from attnserve_server.compute.threads import CpuThreads, ThreadChooser
 from attnserve_server.compute.weights import Projections
@@ -319,10 +320,12 @@ class DeviceWorker:
         staged_s = computed_s = 0.0
         gpu_s = None
         outputs: list[bytes | memoryview] = []
-        weights: list[bytes | memoryview] | None = None
+        weights: list[bytes | memoryview | None] | None = None
+        in_place: list[bool] = []
         heads: tuple[int, ...] = ()
         # On the CPU the output is a tensor of this batch's own, so answers may be views of it; on
         # CUDA it lies in the lane's pinned slab, which the next batch overwrites: answers copy out.
+        # A request that brought room for its answer (an edge process's arena) has it written there.
         fresh = lane.out is None
         # What the batch's thread spends on a CPU, for its chooser: a core it waits for (or the GIL)
         # is one the event loop wants (compute/threads.py).
@@ -331,10 +334,28 @@ class DeviceWorker:
             out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
             staged_s += stage_s
             computed_s += compute_s
-            outputs += split(out_host, group, key_axis=False, views=fresh)
+            out_rows = request_rows(out_host, group, key_axis=False)
+            w_rows = None
             if weights_host is not None:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
-                weights = (weights or []) + split(weights_host, group, key_axis=True, views=fresh)
+                w_rows = request_rows(weights_host, group, key_axis=True)
+                weights = weights if weights is not None else []
+            for i, r in enumerate(group):
+                rows, cut = out_rows[i]
+                placed = None
+                if r.answer_into is not None:
+                    placed = write_into(r.answer_into, rows, None if w_rows is None else w_rows[i][0])
+                in_place.append(placed is not None)
+                if placed is not None:
+                    outputs.append(placed[0])
+                else:
+                    outputs.append(answer_bytes(rows, fresh and not cut))
+                if weights is not None:
+                    if placed is not None:
+                        weights.append(placed[1])
+                    else:
+                        w, w_cut = w_rows[i]  # type: ignore[index]
+                        weights.append(answer_bytes(w, fresh and not w_cut))
         if chooser is not None:
             # A share: the two clocks tick apart, so on a short batch the ratio can read a little over 1.
             on_cpu = min((time.thread_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9), 1.0)
@@ -344,6 +365,7 @@ class DeviceWorker:
             order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
             outputs = [outputs[order[id(r)]] for r in requests]
             weights = None if weights is None else [weights[order[id(r)]] for r in requests]
+            in_place = [in_place[order[id(r)]] for r in requests]
         end = time.perf_counter()
         total = end - start
         if gpu_s is None:
@@ -375,6 +397,7 @@ class DeviceWorker:
                     weights=None if weights is None else weights[i],
                     weights_shape=None if weights is None else (r.sequences, *heads, r.query_len, r.key_len),
                     batch=report,
+                    in_place=in_place[i],
                 )
             )
         return answers
@@ -403,6 +426,7 @@ class DeviceWorker:
             chooser.record(threads, macs, computed - staged, 1)
         output = to_numpy(out)
         weights_host = None if weights is None else to_numpy(weights)
+        placed = None if r.answer_into is None else write_into(r.answer_into, output, weights_host)
         end = time.perf_counter()
         report = BatchReport(
             started=start,
@@ -418,12 +442,18 @@ class DeviceWorker:
             threads=threads,
             paired=not self._cuda and self._paired(),
         )
+        if placed is not None:
+            answer_out, answer_weights = placed
+        else:
+            answer_out = answer_bytes(output, view=True)
+            answer_weights = None if weights_host is None else answer_bytes(weights_host, view=True)
         return Answer(
-            output=answer_bytes(output, view=True),
+            output=answer_out,
             output_shape=(n, length, output.shape[-1]),
-            weights=None if weights_host is None else answer_bytes(weights_host, view=True),
+            weights=answer_weights,
             weights_shape=None if weights_host is None else (n, *weights_host.shape[1:-2], length, s),
             batch=report,
+            in_place=placed is not None,
         )
 
     def _run_group(

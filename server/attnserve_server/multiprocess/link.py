@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnserve_server.domain import BatchReport
+from attnserve_server.domain import ANSWER_ALIGN, BatchReport
 
 # edge -> engine
 READY = 1  # (READY,): the edge serves its port
@@ -43,7 +43,7 @@ SHM_TABLE = 17  # (SHM_TABLE, version, {region name: (key, offset, byte_size)}):
 SHM_REPLY = 18  # (SHM_REPLY, id, None, or (status name, message)): the SHM call's outcome
 
 _HEADER = struct.Struct("<I")
-ALIGN = 64
+ALIGN = ANSWER_ALIGN  # regions and the tensors in them start at multiples of this
 
 
 class Channel(asyncio.Protocol):

@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from attnserve_server.domain import AttentionRequest, HostTensor
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, weights_at
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, PortUnavailable, ServingError, status_of
 from attnserve_server.metrics import Duration, InferenceStats, RequestPathSnapshot, merge_snapshots
@@ -125,9 +125,11 @@ class Edge:
         kind = message[0]
         if kind == link.SUBMIT:
             _, rid, model, submission = message
-            task = asyncio.get_running_loop().create_task(self._answer(rid, model, submission))
+            at = submission.answer_at
+            room = AnswerRoom(self.arena.view[at : at + submission.answer_room]) if at >= 0 else None
+            task = asyncio.get_running_loop().create_task(self._answer(rid, model, submission, room))
             self._tasks[rid] = task
-            task.add_done_callback(functools.partial(self._answered, rid))
+            task.add_done_callback(functools.partial(self._answered, rid, room))
         elif kind == link.CANCEL:
             task = self._tasks.get(message[1])
             if task is not None:
@@ -164,7 +166,8 @@ class Edge:
         where, n, shape = ref
         return HostTensor(where if isinstance(where, bytes) else self.arena.view[where : where + n], shape)
 
-    async def _answer(self, rid: int, model: str, sub: link.Submission) -> None:
+    async def _answer(self, rid: int, model: str, sub: link.Submission, into: AnswerRoom | None) -> None:
+        at, room = sub.answer_at, sub.answer_room
         try:
             served = self._sup.models[model]  # the edge found it among the models the engine sent
             served.check_admission()
@@ -175,6 +178,7 @@ class Edge:
                 sub.key_padding, sub.causal, sub.need_weights, sub.average_weights, sub.unbatched,
                 sub.nbytes, sub.memory_bytes,
                 None if sub.trace is None or tracing is None else tracing.remote_span(sub.trace),
+                into,  # the worker writes the answer straight into the room the edge left for it
             )  # fmt: skip
             answer = await served.submit(request, sub.deadline, expire=sub.expire)
         except Exception as exc:
@@ -184,15 +188,17 @@ class Edge:
             self.send((link.FAILED, rid, status, text))
             return
         output, weights = answer.output, answer.weights
-        at, room = sub.answer_at, sub.answer_room
         needed = link.aligned(len(output)) + (0 if weights is None else len(weights))
         view = self.arena.view
-        if at >= 0 and needed <= room:
-            view[at : at + len(output)] = output
+        if answer.in_place:  # already in the region, where the layout below would put it
             out_ref: link.TensorRef = (at, len(output), answer.output_shape)
+            w_ref = None if weights is None else (at + weights_at(len(output)), len(weights), answer.weights_shape)
+        elif at >= 0 and needed <= room:
+            view[at : at + len(output)] = output
+            out_ref = (at, len(output), answer.output_shape)
             w_ref = None
             if weights is not None:
-                w_at = at + link.aligned(len(output))
+                w_at = at + weights_at(len(output))
                 view[w_at : w_at + len(weights)] = weights
                 w_ref = (w_at, len(weights), answer.weights_shape)
         else:  # no room in the arena: the answer travels in the message
@@ -200,9 +206,12 @@ class Edge:
             w_ref = None if weights is None else (bytes(weights), len(weights), answer.weights_shape)
         self.send((link.DONE, rid, link.Returned(out_ref, w_ref, answer.batch)))
 
-    def _answered(self, rid: int, task: asyncio.Task) -> None:
+    def _answered(self, rid: int, into: AnswerRoom | None, task: asyncio.Task) -> None:
         del self._tasks[rid]
         if task.cancelled():  # as the edge asked (even before it started): its region is free
+            if into is not None:
+                # once its worker can write there no more (a batch that took the request computes on)
+                into.close()
             self.send((link.CANCELLED, rid))
 
     async def _statistics(self, rid: int, names: list[str]) -> None:
