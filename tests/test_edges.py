@@ -16,12 +16,15 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from test_process import ServerProcess, server_process  # noqa: F401  (a fixture)
 
 from attnserve import AttnServeError, Client
+from attnserve_server.compute.worker import DeviceWorker
+from attnserve_server.domain import AnswerRoom
 from attnserve_server.multiprocess.link import ALIGN, Ring
 
 from conftest import model, running, settings
@@ -89,6 +92,112 @@ def test_a_request_larger_than_the_arena_travels_in_the_message() -> None:
         whole = c.attend(x).output
         parts = [c.attend(x[i]).output for i in range(2)]
     np.testing.assert_allclose(whole, np.stack(parts), rtol=1e-5, atol=1e-5)
+
+
+HELD_LEN = 40  # a batch with a query this long waits for HoldingWorker.release
+
+
+class HoldingWorker(DeviceWorker):
+    """The real worker (in the engine); a batch holding a query of HELD_LEN keeps its requests' answer
+    rooms, says it started and waits for `release`. Every batch's answers say if they were written in place."""
+
+    started = threading.Event()
+    release = threading.Event()
+    finished = threading.Event()
+    rooms: list[AnswerRoom | None] = []
+    in_place: list[bool] = []
+
+    def run(self, requests):
+        held = any(r.query_len == HELD_LEN for r in requests)
+        if held:
+            HoldingWorker.rooms = [r.answer_into for r in requests]
+            HoldingWorker.started.set()
+            assert HoldingWorker.release.wait(20), "the test never released the held batch"
+        answers = super().run(requests)
+        HoldingWorker.in_place += [a.in_place for a in answers]
+        if held:
+            HoldingWorker.finished.set()
+        return answers
+
+
+def _closed(room: AnswerRoom) -> bool:
+    with room as view:
+        return view is None
+
+
+def test_answers_are_written_into_the_arena_and_never_into_a_region_given_up() -> None:
+    # The worker writes an edge's answer straight into the request's arena region. A request whose
+    # caller goes away while its batch computes gets its region back only once the worker can no
+    # longer write there: the edge may hand it to the next request at once.
+    served = settings(
+        model(embed_dim=32, num_heads=4, max_batch_size=1, max_queue_delay_ms=0), edge_processes=2, solo_macs=0
+    )
+    rng = np.random.default_rng(7)
+    with running(served, worker_factory=HoldingWorker) as handle, Client(handle.target, timeout_s=30) as c:
+        HoldingWorker.in_place.clear()  # the warm-up's batches had no rooms
+        x = rng.standard_normal((5, 32)).astype(np.float32)
+        assert c.attend(x).output.shape == (5, 32)
+        assert HoldingWorker.in_place == [True]
+        try:
+            with pytest.raises(AttnServeError) as gave_up:
+                c.attend(rng.standard_normal((HELD_LEN, 32)).astype(np.float32), timeout_s=1.0)
+            assert gave_up.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and HoldingWorker.started.is_set()
+            (room,) = HoldingWorker.rooms
+            assert room is not None
+            handle.wait_for(lambda: _closed(room))  # the engine took the room back when the edge cancelled
+            before = bytes(room.view)
+        finally:
+            HoldingWorker.release.set()
+        assert HoldingWorker.finished.wait(20)
+        assert HoldingWorker.in_place[-1] is False and bytes(room.view) == before  # computed, not written
+        y = c.attend(x).output  # the server serves on
+        np.testing.assert_allclose(y, c.attend(x).output, rtol=1e-6)
+
+
+class RoomWorker(DeviceWorker):
+    """The real worker (in the engine), noting for each request whether it brought room for its answer."""
+
+    rooms: list[bool] = []
+
+    def run(self, requests):
+        RoomWorker.rooms += [r.answer_into is not None for r in requests]
+        return super().run(requests)
+
+
+def test_answers_read_in_place_stay_intact_and_their_regions_come_back() -> None:
+    # An edge reads an answer where the engine wrote it, in the request's arena region, and frees the
+    # region only once the response has been serialized. A 64 KiB arena holds about four of these
+    # requests' regions, so under 16 callers regions are taken and freed all the time: an answer whose
+    # region went to the next request too early would carry that request's bytes.
+    served = settings(model(embed_dim=32, num_heads=4), edge_processes=2, edge_arena_bytes=64 << 10)
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(16)]
+    with running(served, worker_factory=RoomWorker) as handle:
+        with Client(handle.target, timeout_s=60) as c:
+            expected = [c.attend(x).output for x in xs]
+        RoomWorker.rooms.clear()
+
+        def caller(i: int) -> list[np.ndarray]:
+            with Client(handle.target, timeout_s=60) as c:
+                return [c.attend(xs[(i + k) % 16]).output for k in range(12)]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(caller, range(16)))
+        for i, outputs in enumerate(results):
+            for k, y in enumerate(outputs):
+                np.testing.assert_allclose(y, expected[(i + k) % 16], rtol=1e-4, atol=1e-5)
+        assert sum(RoomWorker.rooms) > len(RoomWorker.rooms) // 4, RoomWorker.rooms.count(True)
+        # Every region comes back: a request whose region needs nearly the whole arena (30 KiB in, 30 out)
+        # gets one again once the last responses are gone.
+        big = rng.standard_normal((240, 32)).astype(np.float32)
+        with Client(handle.target, timeout_s=60) as c:
+
+            def in_the_arena() -> bool:
+                RoomWorker.rooms.clear()
+                c.attend(big)
+                return RoomWorker.rooms == [True]
+
+            handle.wait_for(in_the_arena)
 
 
 def _children(pid: int, module: str = "attnserve_server.multiprocess.edge_process") -> list[int]:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import logging
 import signal
 import socket
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
@@ -66,6 +69,8 @@ class EngineLink:
     def __init__(self, arena: link.Arena, tracing: Tracing | None) -> None:
         self._arena = arena
         self._ring = link.Ring(arena.size)
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._tracing = tracing
         self._ids = itertools.count()
         self._pending: dict[int, list] = {}  # id -> [future (None once its caller left), region or None]
@@ -144,15 +149,45 @@ class EngineLink:
         self.send((link.STATS, rid, [name]))
         return (await future)[name]
 
-    def _settle(self, rid: int) -> asyncio.Future | None:
-        """The caller's future for `rid` (None if it left), its region freed."""
+    def _settle(self, rid: int, keep: bool = False) -> asyncio.Future | None:
+        """The caller's future for `rid` (None if it left), its region freed unless `keep`."""
         entry = self._pending.pop(rid, None)
         if entry is None:
             return None
         future, region = entry
-        if region is not None:
+        if region is not None and not keep:
             self._ring.free(region)
         return None if future is None or future.done() else future
+
+    def _answer(self, region: int | None, returned: link.Returned) -> tuple[Answer, bool]:
+        """The caller's answer, and whether it holds its region. Tensors the engine wrote into the arena
+        are views of it, uncopied: the response's frame copies them once (edge/framing.py), when gRPC
+        serializes it, after the call's handler has returned. So the region is freed only when the last
+        view of it is gone: a finalizer on the array they all view, which frees it on the loop."""
+        refs = (returned.output, returned.weights)
+        held = None
+        if region is not None and all(ref is None or not isinstance(ref[0], bytes) for ref in refs):
+            end = max(ref[0] + ref[1] for ref in refs if ref is not None)
+            held = np.frombuffer(self._arena.view, np.uint8, count=end - region, offset=region)
+            weakref.finalize(held, self._free_soon, region)
+        tensors: list = []
+        for ref in refs:
+            if ref is None:
+                tensors += (None, None)
+            elif held is not None:
+                tensors += (memoryview(held[ref[0] - region : ref[0] - region + ref[1]]), ref[2])
+            else:
+                tensors += (self._read(ref), ref[2])
+        return Answer(*tensors, returned.batch), held is not None
+
+    def _free_soon(self, region: int) -> None:
+        """Frees a region, on the loop's next turn: a finalizer runs wherever its object's last reference
+        goes, which may be in the middle of the ring's own code (a garbage collection) or another thread."""
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self._ring.free, region)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the process is exiting
+            self._loop.call_soon_threadsafe(self._ring.free, region)
 
     def _read(self, ref: link.TensorRef) -> bytes:
         where, n, _ = ref
@@ -164,13 +199,8 @@ class EngineLink:
             _, rid, returned = message
             entry = self._pending.get(rid)
             if entry is not None and entry[0] is not None and not entry[0].done():
-                out, weights = returned.output, returned.weights
-                answer = Answer(
-                    self._read(out), out[2],
-                    None if weights is None else self._read(weights), None if weights is None else weights[2],
-                    returned.batch,
-                )  # fmt: skip
-                self._settle(rid).set_result(answer)  # type: ignore[union-attr]
+                answer, holds = self._answer(entry[1], returned)
+                self._settle(rid, keep=holds).set_result(answer)  # type: ignore[union-attr]
             else:
                 self._settle(rid)
         elif kind == link.FAILED:
