@@ -69,14 +69,15 @@ class EngineLink:
     def __init__(self, arena: link.Arena, tracing: Tracing | None) -> None:
         self._arena = arena
         self._ring = link.Ring(arena.size)
+        # (asyncio.get_running_loop costs a getpid() in Python 3.11: a syscall per request on the link)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._tracing = tracing
         self._ids = itertools.count()
         self._pending: dict[int, list] = {}  # id -> [future (None once its caller left), region or None]
         self.channel: link.Channel | None = None
-        self.hello: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.stopping: asyncio.Future = asyncio.get_running_loop().create_future()  # grace seconds, None: lost
+        self.hello: asyncio.Future = self._loop.create_future()
+        self.stopping: asyncio.Future = self._loop.create_future()  # grace seconds, None: lost
         self.ready: dict[str, bool] = {}
         self.health: health.aio.HealthServicer | None = None
         self.shared_memory: SharedMemoryRegistry | None = None  # this edge's copy of the regions
@@ -120,7 +121,7 @@ class EngineLink:
             -1 if at is None else at, room, trace, deadline, expire,
         )  # fmt: skip
         rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = self._loop.create_future()
         self._pending[rid] = [future, start]
         self.send((link.SUBMIT, rid, spec.name, submission))
         try:
@@ -136,7 +137,7 @@ class EngineLink:
         regions' new table (this one included), or with the engine's refusal."""
         self.check()
         rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = self._loop.create_future()
         self._pending[rid] = [future, None]
         self.send((link.SHM, rid, op, args))
         await future
@@ -144,7 +145,7 @@ class EngineLink:
     async def statistics(self, name: str) -> InferenceStats:
         self.check()
         rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = self._loop.create_future()
         self._pending[rid] = [future, None]
         self.send((link.STATS, rid, [name]))
         return (await future)[name]
@@ -227,7 +228,7 @@ class EngineLink:
         elif kind == link.STATE:
             _, self.ready, serving = message
             if self.health is not None:
-                self._health_update = asyncio.get_running_loop().create_task(self._set_health(serving))
+                self._health_update = self._loop.create_task(self._set_health(serving))
         elif kind == link.STOP:
             if not self.stopping.done():
                 self.stopping.set_result(message[1])

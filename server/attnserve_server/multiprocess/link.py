@@ -57,6 +57,8 @@ class Channel(asyncio.Protocol):
         self._out: list[bytes] = []
         self._flushing = False
         self._transport: asyncio.Transport | None = None
+        # made on its loop (connect); asyncio.get_running_loop costs a getpid() in Python 3.11, per message
+        self._loop = asyncio.get_running_loop()
 
     @classmethod
     async def connect(cls, sock, on_message: Callable[[tuple], None], on_lost: Callable[[], None]) -> Channel:
@@ -91,7 +93,7 @@ class Channel(asyncio.Protocol):
         self._out += (_HEADER.pack(len(data)), data)
         if not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flushing = False

@@ -71,8 +71,10 @@ class Edge:
         self._tasks: dict[int, asyncio.Task] = {}  # requests being served, by id
         self._background: set[asyncio.Task] = set()
         self._snapshot_lock = threading.Lock()
-        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        # (asyncio.get_running_loop costs a getpid() in Python 3.11: a syscall per request on the link)
+        self._loop = loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future = loop.create_future()
+        self.exited: asyncio.Future = loop.create_future()
         size = supervisor.settings.edge_arena_bytes
         arena_fd = link.Arena.create(size, f"attnserve-edge{index}")
         link_engine, link_edge = socket.socketpair()
@@ -127,7 +129,7 @@ class Edge:
             _, rid, model, submission = message
             at = submission.answer_at
             room = AnswerRoom(self.arena.view[at : at + submission.answer_room]) if at >= 0 else None
-            task = asyncio.get_running_loop().create_task(self._answer(rid, model, submission, room))
+            task = self._loop.create_task(self._answer(rid, model, submission, room))
             self._tasks[rid] = task
             task.add_done_callback(functools.partial(self._answered, rid, room))
         elif kind == link.CANCEL:
@@ -135,12 +137,12 @@ class Edge:
             if task is not None:
                 task.cancel()
         elif kind == link.STATS:
-            task = asyncio.get_running_loop().create_task(self._statistics(message[1], message[2]))
+            task = self._loop.create_task(self._statistics(message[1], message[2]))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         elif kind == link.SHM:
             _, rid, op, args = message
-            task = asyncio.get_running_loop().create_task(self._sup.shared_memory_call(self, rid, op, args))
+            task = self._loop.create_task(self._sup.shared_memory_call(self, rid, op, args))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         elif kind == link.SHM_ACK:
