@@ -170,7 +170,7 @@ class EngineLink:
         if region is not None and all(ref is None or not isinstance(ref[0], bytes) for ref in refs):
             end = max(ref[0] + ref[1] for ref in refs if ref is not None)
             held = np.frombuffer(self._arena.view, np.uint8, count=end - region, offset=region)
-            weakref.finalize(held, self._free_soon, region)
+            weakref.finalize(held, self._free_soon, region).atexit = False  # nothing to free at exit
         tensors: list = []
         for ref in refs:
             if ref is None:
@@ -184,11 +184,11 @@ class EngineLink:
     def _free_soon(self, region: int) -> None:
         """Frees a region, on the loop's next turn: a finalizer runs wherever its object's last reference
         goes, which may be in the middle of the ring's own code (a garbage collection) or another thread."""
-        if threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(self._ring.free, region)
-            return
         with contextlib.suppress(RuntimeError):  # a closed loop: the process is exiting
-            self._loop.call_soon_threadsafe(self._ring.free, region)
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._ring.free, region)
+            else:
+                self._loop.call_soon_threadsafe(self._ring.free, region)
 
     def _read(self, ref: link.TensorRef) -> bytes:
         where, n, _ = ref
