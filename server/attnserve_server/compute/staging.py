@@ -227,6 +227,27 @@ def split(
     return [answer_bytes(rows, views and not cut) for rows, cut in request_rows(batch, requests, key_axis)]
 
 
+def answers_of(
+    output: np.ndarray, weights: np.ndarray | None, requests: Sequence[AttentionRequest], views: bool
+) -> list[tuple[bytes | memoryview, bytes | memoryview | None, bool]]:
+    """Each request's answer from its batch's output (and weights): (output, weights, in place). A request
+    that brought room for its answer has it written there when it fits (`write_into`); any other gets
+    its rows as bytes, by `split`'s rule for `views`."""
+    out_rows = request_rows(output, requests, key_axis=False)
+    w_rows = None if weights is None else request_rows(weights, requests, key_axis=True)
+    answers: list[tuple[bytes | memoryview, bytes | memoryview | None, bool]] = []
+    for i, r in enumerate(requests):
+        rows, cut = out_rows[i]
+        w = None if w_rows is None else w_rows[i]
+        placed = None if r.answer_into is None else write_into(r.answer_into, rows, None if w is None else w[0])
+        if placed is not None:
+            answers.append((placed[0], placed[1], True))
+        else:
+            w_bytes = None if w is None else answer_bytes(w[0], views and not w[1])
+            answers.append((answer_bytes(rows, views and not cut), w_bytes, False))
+    return answers
+
+
 def write_into(
     room: AnswerRoom, output: np.ndarray, weights: np.ndarray | None
 ) -> tuple[memoryview, memoryview | None] | None:

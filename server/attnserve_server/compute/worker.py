@@ -18,10 +18,10 @@ from attnserve_server.compute.staging import (
     Slab,
     Stager,
     answer_bytes,
+    answers_of,
     host_tensor,
     key_mask,
     over_bytes,
-    request_rows,
     to_numpy,
     write_into,
 )
@@ -319,9 +319,7 @@ class DeviceWorker:
             threads, chooser = self._set_cpu_threads(macs, len(requests))
         staged_s = computed_s = 0.0
         gpu_s = None
-        outputs: list[bytes | memoryview] = []
-        weights: list[bytes | memoryview | None] | None = None
-        in_place: list[bool] = []
+        parts: list[tuple[bytes | memoryview, bytes | memoryview | None, bool]] = []  # (output, weights, in place)
         heads: tuple[int, ...] = ()
         # On the CPU the output is a tensor of this batch's own, so answers may be views of it; on
         # CUDA it lies in the lane's pinned slab, which the next batch overwrites: answers copy out.
@@ -334,28 +332,9 @@ class DeviceWorker:
             out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
             staged_s += stage_s
             computed_s += compute_s
-            out_rows = request_rows(out_host, group, key_axis=False)
-            w_rows = None
+            parts += answers_of(out_host, weights_host, group, views=fresh)
             if weights_host is not None:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
-                w_rows = request_rows(weights_host, group, key_axis=True)
-                weights = weights if weights is not None else []
-            for i, r in enumerate(group):
-                rows, cut = out_rows[i]
-                placed = None
-                if r.answer_into is not None:
-                    placed = write_into(r.answer_into, rows, None if w_rows is None else w_rows[i][0])
-                in_place.append(placed is not None)
-                if placed is not None:
-                    outputs.append(placed[0])
-                else:
-                    outputs.append(answer_bytes(rows, fresh and not cut))
-                if weights is not None:
-                    if placed is not None:
-                        weights.append(placed[1])
-                    else:
-                        w, w_cut = w_rows[i]  # type: ignore[index]
-                        weights.append(answer_bytes(w, fresh and not w_cut))
         if chooser is not None:
             # A share: the two clocks tick apart, so on a short batch the ratio can read a little over 1.
             on_cpu = min((time.thread_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9), 1.0)
@@ -363,9 +342,7 @@ class DeviceWorker:
         width = out_host.shape[-1]
         if groups[0] is not requests:  # grouped by length: back in the batch's order
             order = {id(r): i for i, r in enumerate(r for group in groups for r in group)}
-            outputs = [outputs[order[id(r)]] for r in requests]
-            weights = None if weights is None else [weights[order[id(r)]] for r in requests]
-            in_place = [in_place[order[id(r)]] for r in requests]
+            parts = [parts[order[id(r)]] for r in requests]
         end = time.perf_counter()
         total = end - start
         if gpu_s is None:
@@ -389,15 +366,15 @@ class DeviceWorker:
             paired=not self._cuda and self._paired(),
         )
         answers = []
-        for i, r in enumerate(requests):
+        for r, (output, weights, in_place) in zip(requests, parts, strict=True):
             answers.append(
                 Answer(
-                    output=outputs[i],
+                    output=output,
                     output_shape=(r.sequences, r.query_len, width),
-                    weights=None if weights is None else weights[i],
+                    weights=weights,
                     weights_shape=None if weights is None else (r.sequences, *heads, r.query_len, r.key_len),
                     batch=report,
-                    in_place=in_place[i],
+                    in_place=in_place,
                 )
             )
         return answers
