@@ -6,7 +6,8 @@ none for a lone request), and viewed as a tensor. On CUDA every input of the bat
 single host-to-device copy; the kernels read views of it.
 Out: the output (and weights) come back to the host once, and each request's answer is one slice
 of it: a view of the batch's memory on the CPU (its response's framing copies it once), bytes of
-its own where the batch's memory is reused (CUDA's pinned slab).
+its own where the batch's memory is reused (CUDA's pinned slab), or, for a request that brought room
+for its answer (an edge process's arena region), written there (`answers_of`, `write_into`).
 
 Inputs are packed with memoryview slice assignment: a memcpy that keeps the GIL. The worker thread
 shares the GIL with the event loop, and giving it up for longer than a moment lets a busy loop take
