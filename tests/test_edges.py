@@ -94,7 +94,7 @@ def test_a_request_larger_than_the_arena_travels_in_the_message() -> None:
     np.testing.assert_allclose(whole, np.stack(parts), rtol=1e-5, atol=1e-5)
 
 
-HELD_LEN = 40  # a batch with a query this long waits for HoldingWorker.release
+HELD_LEN = 80  # a batch with a query this long waits for HoldingWorker.release
 
 
 class HoldingWorker(DeviceWorker):
@@ -129,18 +129,21 @@ def test_answers_are_written_into_the_arena_and_never_into_a_region_given_up() -
     # The worker writes an edge's answer straight into the request's arena region. A request whose
     # caller goes away while its batch computes gets its region back only once the worker can no
     # longer write there: the edge may hand it to the next request at once.
+    # (answers of at least link.IN_PLACE_BYTES: a [64, 256] FP32 output is 64 KiB)
     served = settings(
-        model(embed_dim=32, num_heads=4, max_batch_size=1, max_queue_delay_ms=0), edge_processes=2, solo_macs=0
+        model(embed_dim=256, num_heads=8, max_batch_size=1, max_queue_delay_ms=0), edge_processes=2, solo_macs=0
     )
     rng = np.random.default_rng(7)
     with running(served, worker_factory=HoldingWorker) as handle, Client(handle.target, timeout_s=30) as c:
         HoldingWorker.in_place.clear()  # the warm-up's batches had no rooms
-        x = rng.standard_normal((5, 32)).astype(np.float32)
-        assert c.attend(x).output.shape == (5, 32)
-        assert HoldingWorker.in_place == [True]
+        x = rng.standard_normal((64, 256)).astype(np.float32)
+        assert c.attend(x).output.shape == (64, 256)
+        small = rng.standard_normal((8, 256)).astype(np.float32)  # 8 KiB: copied, cheaper than a room
+        assert c.attend(small).output.shape == (8, 256)
+        assert HoldingWorker.in_place == [True, False]
         try:
             with pytest.raises(AttnServeError) as gave_up:
-                c.attend(rng.standard_normal((HELD_LEN, 32)).astype(np.float32), timeout_s=1.0)
+                c.attend(rng.standard_normal((HELD_LEN, 256)).astype(np.float32), timeout_s=1.0)
             assert gave_up.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and HoldingWorker.started.is_set()
             (room,) = HoldingWorker.rooms
             assert room is not None
@@ -166,12 +169,13 @@ class RoomWorker(DeviceWorker):
 
 def test_answers_read_in_place_stay_intact_and_their_regions_come_back() -> None:
     # An edge reads an answer where the engine wrote it, in the request's arena region, and frees the
-    # region only once the response has been serialized. A 64 KiB arena holds about four of these
-    # requests' regions, so under 16 callers regions are taken and freed all the time: an answer whose
-    # region went to the next request too early would carry that request's bytes.
-    served = settings(model(embed_dim=32, num_heads=4), edge_processes=2, edge_arena_bytes=64 << 10)
+    # region only once the response has been serialized. A 512 KiB arena holds four of these requests'
+    # regions (64 KiB in, 64 KiB out: answers this large are read in place, link.IN_PLACE_BYTES), so
+    # under 16 callers regions are taken and freed all the time: an answer whose region went to the
+    # next request too early would carry that request's bytes.
+    served = settings(model(embed_dim=256, num_heads=8), edge_processes=2, edge_arena_bytes=512 << 10)
     rng = np.random.default_rng(11)
-    xs = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(16)]
+    xs = [rng.standard_normal((64, 256)).astype(np.float32) for _ in range(16)]
     with running(served, worker_factory=RoomWorker) as handle:
         with Client(handle.target, timeout_s=60) as c:
             expected = [c.attend(x).output for x in xs]
@@ -187,9 +191,9 @@ def test_answers_read_in_place_stay_intact_and_their_regions_come_back() -> None
             for k, y in enumerate(outputs):
                 np.testing.assert_allclose(y, expected[(i + k) % 16], rtol=1e-4, atol=1e-5)
         assert sum(RoomWorker.rooms) > len(RoomWorker.rooms) // 4, RoomWorker.rooms.count(True)
-        # Every region comes back: a request whose region needs nearly the whole arena (30 KiB in, 30 out)
-        # gets one again once the last responses are gone.
-        big = rng.standard_normal((240, 32)).astype(np.float32)
+        # Every region comes back: a request whose region needs nearly the whole arena (250 KiB in, 250
+        # out) gets one again once the last responses are gone.
+        big = rng.standard_normal((250, 256)).astype(np.float32)
         with Client(handle.target, timeout_s=60) as c:
 
             def in_the_arena() -> bool:

@@ -162,12 +162,14 @@ class EngineLink:
 
     def _answer(self, region: int | None, returned: link.Returned) -> tuple[Answer, bool]:
         """The caller's answer, and whether it holds its region. Tensors the engine wrote into the arena
-        are views of it, uncopied: the response's frame copies them once (edge/framing.py), when gRPC
-        serializes it, after the call's handler has returned. So the region is freed only when the last
-        view of it is gone: a finalizer on the array they all view, which frees it on the loop."""
+        are views of it, uncopied (at least link.IN_PLACE_BYTES of them; smaller ones are copied): the
+        response's frame copies them once (edge/framing.py), when gRPC serializes it, after the call's
+        handler has returned. So the region is freed only when the last view of it is gone: a finalizer
+        on the array they all view, which frees it on the loop."""
         refs = (returned.output, returned.weights)
         held = None
-        if region is not None and all(ref is None or not isinstance(ref[0], bytes) for ref in refs):
+        arena = all(ref is None or not isinstance(ref[0], bytes) for ref in refs)
+        if region is not None and arena and sum(ref[1] for ref in refs if ref is not None) >= link.IN_PLACE_BYTES:
             end = max(ref[0] + ref[1] for ref in refs if ref is not None)
             held = np.frombuffer(self._arena.view, np.uint8, count=end - region, offset=region)
             weakref.finalize(held, self._free_soon, region).atexit = False  # nothing to free at exit

@@ -127,8 +127,8 @@ class Edge:
         kind = message[0]
         if kind == link.SUBMIT:
             _, rid, model, submission = message
-            at = submission.answer_at
-            room = AnswerRoom(self.arena.view[at : at + submission.answer_room]) if at >= 0 else None
+            at, size = submission.answer_at, submission.answer_room
+            room = AnswerRoom(self.arena.view[at : at + size]) if at >= 0 and size >= link.IN_PLACE_BYTES else None
             task = self._loop.create_task(self._answer(rid, model, submission, room))
             self._tasks[rid] = task
             task.add_done_callback(functools.partial(self._answered, rid, room))
