@@ -34,7 +34,7 @@ from attnserve_server.compute.threads import (
 )
 from attnserve_server.compute.weights import random_projections
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, compute_macs, weights_at
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, aligned, compute_macs
 from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
@@ -112,7 +112,7 @@ def test_split_cuts_each_answer_and_views_only_memory_that_is_not_reused(views: 
 
 def test_a_request_that_brings_room_for_its_answer_has_it_written_there() -> None:
     # An edge process's request brings a region of its arena (AnswerRoom): the worker writes the answer
-    # there, output first and weights from weights_at, on the batch path and a lone request's.
+    # there, output first and weights from the next aligned offset, on the batch path and a lone request's.
     w = worker()
     try:
         rng = np.random.default_rng(5)
@@ -132,7 +132,7 @@ def test_a_request_that_brings_room_for_its_answer_has_it_written_there() -> Non
             np.testing.assert_array_equal(weights_of(got), weights_of(alone))
             if room is not None:
                 assert bytes(room.view[: len(got.output)]) == bytes(alone.output)
-                at = weights_at(len(got.output))
+                at = aligned(len(got.output))
                 assert bytes(room.view[at : at + len(got.weights)]) == bytes(alone.weights)  # type: ignore[arg-type]
         assert bytes(arena[4096:8192]) == bytes(4096)  # the request without a room: nothing written for it
         lone_room = AnswerRoom(memoryview(bytearray(4096)))

@@ -70,19 +70,19 @@ def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, 
     return elements * spec.dtype.itemsize
 
 
-# An answer written in place (AnswerRoom): the output from the room's start, the weights from the first
-# multiple of this many bytes after it.
+# An edge process's arena regions, and the tensors in them, start at multiples of this many bytes; so
+# do an answer's weights in its room (AnswerRoom), after its output.
 ANSWER_ALIGN = 64
 
 
-def weights_at(output_nbytes: int) -> int:
-    """Where an answer's weights start in its room, after `output_nbytes` of output."""
-    return -(-output_nbytes // ANSWER_ALIGN) * ANSWER_ALIGN
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of ANSWER_ALIGN: where the next tensor starts after it."""
+    return -(-nbytes // ANSWER_ALIGN) * ANSWER_ALIGN
 
 
 class AnswerRoom:
     """Writable memory where a request's answer should end up (a region of an edge process's arena),
-    which the worker writes the answer into (output first, weights at weights_at) instead of making it
+    which the worker writes the answer into (output first, weights from `aligned` after it) instead of making it
     bytes of its own. The room's owner takes it back with `close` before it hands the memory to anything
     else: a write in progress finishes first, and none starts after. A caller that gives up on a request
     its worker is computing would otherwise free memory that the worker then writes."""

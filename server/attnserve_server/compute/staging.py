@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, weights_at
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, aligned
 
 _ALIGN = 256  # bytes: each region of the slab starts aligned for vectorised kernels
 
@@ -253,14 +253,14 @@ def write_into(
     room: AnswerRoom, output: np.ndarray, weights: np.ndarray | None
 ) -> tuple[memoryview, memoryview | None] | None:
     """Writes an answer into the room its request brought (AttentionRequest.answer_into): the output
-    from the start, the weights from weights_at. Returns the two byte views, or None when the answer
+    from the start, the weights from the next aligned offset. Returns the two byte views, or None when the answer
     does not fit or the room was closed (nothing is written then). numpy makes the copies without
     holding the GIL (all but the smallest), so the lane that writes keeps no other thread of the engine
     waiting. Unlike packing (the module's note), giving the GIL up here costs the lane little: only an
     engine behind edge processes brings rooms, and its event loop serves no gRPC, so it is seldom busy
     long enough to keep the lane from taking the GIL back."""
     out_n = output.nbytes
-    w_at = weights_at(out_n)
+    w_at = aligned(out_n)
     end = out_n if weights is None else w_at + weights.nbytes
     with room as view:
         if view is None or end > view.nbytes:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnserve_server.domain import ANSWER_ALIGN, BatchReport
+from attnserve_server.domain import ANSWER_ALIGN, BatchReport, aligned
 
 # edge -> engine
 READY = 1  # (READY,): the edge serves its port
@@ -245,7 +245,3 @@ class Returned(NamedTuple):
     output: TensorRef
     weights: TensorRef | None
     batch: BatchReport
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor, weights_at
+from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, PortUnavailable, ServingError, status_of
 from attnserve_server.metrics import Duration, InferenceStats, RequestPathSnapshot, merge_snapshots
@@ -190,17 +190,16 @@ class Edge:
             self.send((link.FAILED, rid, status, text))
             return
         output, weights = answer.output, answer.weights
-        needed = link.aligned(len(output)) + (0 if weights is None else len(weights))
         view = self.arena.view
+        w_at = at + link.aligned(len(output))
         if answer.in_place:  # already in the region, where the layout below would put it
             out_ref: link.TensorRef = (at, len(output), answer.output_shape)
-            w_ref = None if weights is None else (at + weights_at(len(output)), len(weights), answer.weights_shape)
-        elif at >= 0 and needed <= room:
+            w_ref = None if weights is None else (w_at, len(weights), answer.weights_shape)
+        elif at >= 0 and w_at - at + (0 if weights is None else len(weights)) <= room:
             view[at : at + len(output)] = output
             out_ref = (at, len(output), answer.output_shape)
             w_ref = None
             if weights is not None:
-                w_at = at + weights_at(len(output))
                 view[w_at : w_at + len(weights)] = weights
                 w_ref = (w_at, len(weights), answer.weights_shape)
         else:  # no room in the arena: the answer travels in the message
