@@ -78,8 +78,12 @@ sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
 thread_sched >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
-  py-spy record --pid "$PID" ${SPY_FLAGS:-} --threads --idle --native --rate 100 -d "$SECONDS_SPY" --format raw \
-    -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1
+  # bounded: under full load with --subprocesses, py-spy once sampled on for 10 minutes past its -d
+  if ! timeout "$((SECONDS_SPY + 30))" py-spy record --pid "$PID" ${SPY_FLAGS:-} --threads --idle --native --rate 100 \
+    -d "$SECONDS_SPY" --format raw -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1; then
+    echo "profile.sh: py-spy failed or ran 30 s past its ${SECONDS_SPY} s (see $OUT/py-spy.log)" >&2
+    exit 1
+  fi
 else
   sleep "$SECONDS_SPY"
 fi

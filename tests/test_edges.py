@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import pickle
 import random
 import signal
 import threading
@@ -24,7 +25,8 @@ from test_process import ServerProcess, server_process  # noqa: F401  (a fixture
 
 from attnserve import AttnServeError, Client
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.domain import AnswerRoom
+from attnserve_server.domain import AnswerRoom, BatchReport
+from attnserve_server.multiprocess import link
 from attnserve_server.multiprocess.link import ALIGN, Ring
 
 from conftest import model, running, settings
@@ -56,6 +58,19 @@ def test_the_ring_never_hands_out_overlapping_regions_and_reuses_freed_space() -
     for start in list(live):
         ring.free(start)
     assert ring.take(64 * 1024) == 0  # all of it, once everything is free
+
+
+def test_a_batch_report_and_a_submission_cross_the_link_as_tuples_and_come_back_whole() -> None:
+    report = BatchReport(12.5, 0.004, 0.001, 0.002, 0.001, 3, 5, 320, 384, 0.25, 2, True)
+    submission = link.Submission((0, 512, (8, 16)), None, None, None, True, False, True, False, 512, 1024, 576, 640,
+                                 (1, 2, 1), 99.5, False)  # fmt: skip
+    for message in [
+        (link.SUBMIT, 7, "default", tuple(submission)),
+        (link.DONE, 7, (576, 512, (1, 8, 16)), None, link.report_fields(report)),
+    ]:
+        assert pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)) == message
+    assert link.Submission._make(tuple(submission)) == submission
+    assert BatchReport(*link.report_fields(report)) == report
 
 
 def test_requests_from_every_edge_share_one_batch_and_every_number_is_summed() -> None:

@@ -25,7 +25,7 @@ from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from attnserve_server.batching import BatchLimits, refusal
-from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, answer_bytes, weight_heads
+from attnserve_server.domain import Answer, AttentionRequest, BatchReport, ModelSpec, answer_bytes, weight_heads
 from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, ServingError
@@ -123,7 +123,7 @@ class EngineLink:
         rid = next(self._ids)
         future = self._loop.create_future()
         self._pending[rid] = [future, start]
-        self.send((link.SUBMIT, rid, spec.name, submission))
+        self.send((link.SUBMIT, rid, spec.name, tuple(submission)))
         try:
             return await future
         except asyncio.CancelledError:
@@ -160,13 +160,14 @@ class EngineLink:
             self._ring.free(region)
         return None if future is None or future.done() else future
 
-    def _answer(self, region: int | None, returned: link.Returned) -> tuple[Answer, bool]:
+    def _answer(
+        self, region: int | None, refs: tuple[link.TensorRef, link.TensorRef | None], batch: BatchReport
+    ) -> tuple[Answer, bool]:
         """The caller's answer, and whether it holds its region. Tensors the engine wrote into the arena
         are views of it, uncopied (at least link.IN_PLACE_BYTES of them; smaller ones are copied): the
         response's frame copies them once (edge/framing.py), when gRPC serializes it, after the call's
         handler has returned. So the region is freed only when the last view of it is gone: a finalizer
         on the array they all view, which frees it on the loop."""
-        refs = (returned.output, returned.weights)
         held = None
         arena = all(ref is None or not isinstance(ref[0], bytes) for ref in refs)
         if region is not None and arena and sum(ref[1] for ref in refs if ref is not None) >= link.IN_PLACE_BYTES:
@@ -181,7 +182,7 @@ class EngineLink:
                 tensors += (memoryview(held[ref[0] - region : ref[0] - region + ref[1]]), ref[2])
             else:
                 tensors += (self._read(ref), ref[2])
-        return Answer(*tensors, returned.batch), held is not None
+        return Answer(*tensors, batch), held is not None
 
     def _free_soon(self, region: int) -> None:
         """Frees a region, on the loop's next turn: a finalizer runs wherever its object's last reference
@@ -199,10 +200,10 @@ class EngineLink:
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == link.DONE:
-            _, rid, returned = message
+            _, rid, output, weights, batch = message
             entry = self._pending.get(rid)
             if entry is not None and entry[0] is not None and not entry[0].done():
-                answer, holds = self._answer(entry[1], returned)
+                answer, holds = self._answer(entry[1], (output, weights), BatchReport(*batch))
                 self._settle(rid, keep=holds).set_result(answer)  # type: ignore[union-attr]
             else:
                 self._settle(rid)

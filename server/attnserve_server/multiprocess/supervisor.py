@@ -126,7 +126,8 @@ class Edge:
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == link.SUBMIT:
-            _, rid, model, submission = message
+            _, rid, model, fields = message
+            submission = link.Submission._make(fields)
             at, size = submission.answer_at, submission.answer_room
             room = AnswerRoom(self.arena.view[at : at + size]) if at >= 0 and size >= link.IN_PLACE_BYTES else None
             task = self._loop.create_task(self._answer(rid, model, submission, room))
@@ -205,7 +206,7 @@ class Edge:
         else:  # no room in the arena: the answer travels in the message
             out_ref = (bytes(output), len(output), answer.output_shape)
             w_ref = None if weights is None else (bytes(weights), len(weights), answer.weights_shape)
-        self.send((link.DONE, rid, link.Returned(out_ref, w_ref, answer.batch)))
+        self.send((link.DONE, rid, out_ref, w_ref, link.report_fields(answer.batch)))
 
     def _answered(self, rid: int, into: AnswerRoom | None, task: asyncio.Task) -> None:
         del self._tasks[rid]
