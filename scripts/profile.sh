@@ -10,7 +10,10 @@
 #                                        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query)
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
 #   SPY_FLAGS=--subprocesses scripts/profile.sh   py-spy records the edge processes too (--edge-processes N),
-#                                   each thread named with its process in the summary ("engine", "edge 0", ...)
+#                                   each thread named with its process in the summary ("engine", "edge 0", ...);
+#                                   on the 2-vCPU VMs py-spy 0.4.3 so crashed or hung in 4 of 5 runs while the
+#                                   idle spinners' processes lived, in none of 2 with SERVE_ARGS="--idle-spin-ms 0"
+#                                   (they do not spin under load anyway)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput, CPU per request of the server and of perf_analyzer,
 #                                   and per thread its time on a CPU and waiting for one (the undisturbed
 #                                   figures: on 2 vCPUs py-spy halved W1's throughput at c=32)
@@ -78,8 +81,8 @@ sleep 4 # perf_analyzer's warm-up
 t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
 thread_sched >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
-  # bounded: under full load with --subprocesses, py-spy once sampled on for 10 minutes past its -d
-  if ! timeout "$((SECONDS_SPY + 30))" py-spy record --pid "$PID" ${SPY_FLAGS:-} --threads --idle --native --rate 100 \
+  # bounded: with --subprocesses, py-spy once sampled on for 10 minutes past its -d (see SPY_FLAGS above)
+  if ! timeout --foreground "$((SECONDS_SPY + 30))" py-spy record --pid "$PID" ${SPY_FLAGS:-} --threads --idle --native --rate 100 \
     -d "$SECONDS_SPY" --format raw -o "$OUT/profile.txt" >"$OUT/py-spy.log" 2>&1; then
     echo "profile.sh: py-spy failed or ran 30 s past its ${SECONDS_SPY} s (see $OUT/py-spy.log)" >&2
     exit 1
