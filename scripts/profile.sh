@@ -11,7 +11,7 @@
 #   PID=P PORT=N MODEL=mha INPUT=X scripts/profile.sh   profiles a server already running (a peer, say)
 #   SPY_FLAGS=--subprocesses scripts/profile.sh   py-spy records the edge processes too (--edge-processes N),
 #                                   each thread named with its process in the summary ("engine", "edge 0", ...);
-#                                   on the 2-vCPU VMs py-spy 0.4.3 so crashed or hung in 4 of 5 runs while the
+#                                   on the 2-vCPU VMs py-spy 0.4.3 so crashed or hung in 5 of 6 runs while the
 #                                   idle spinners' processes lived, in none of 2 with SERVE_ARGS="--idle-spin-ms 0"
 #                                   (they do not spin under load anyway)
 #   SPY=0 scripts/profile.sh        no py-spy: throughput, CPU per request of the server and of perf_analyzer,
