@@ -75,7 +75,9 @@ level() {
 W1=(E=256 H=8 L=64)
 WL=(E=1024 H=16 L=256)
 # The default (auto: 4 edges on 16 CPUs) against one edge, without the idle spinners, with 8 edges and
-# with CUDA graphs; py-spy at the default records the engine and every edge (--subprocesses).
+# with CUDA graphs; py-spy at the default records the engine and every edge (--subprocesses), with the
+# idle spinners off (py-spy crashed or hung with their processes alive: profile.sh's usage; under load
+# they do not spin anyway).
 level w1-c1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS"
 level w1-c1-nospin "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0"
 level w1-c1-edges1 "${W1[@]}" CONC=1 SERVE_ARGS="$GPU_ARGS --edge-processes 1"
@@ -87,8 +89,8 @@ level w1-c32-edges8 "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --edge-processes 8"
 level w1-c32-graphs "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --cuda-graphs true"
 level w1-c128 "${W1[@]}" CONC=128 SERVE_ARGS="$GPU_ARGS"
 level wl-c32 "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS"
-level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
-level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
+level wl-c32-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
+level w1-c32-spy "${W1[@]}" CONC=32 SERVE_ARGS="$GPU_ARGS --idle-spin-ms 0" SPY=1 SPY_FLAGS=--subprocesses SECONDS_PA=12
 level wl-c32-edges1-spy "${WL[@]}" CONC=32 MODE=async SERVE_ARGS="$GPU_ARGS --edge-processes 1" SPY=1 SECONDS_PA=12
 
 # 3. WL through `attnserve bench` with 1, 2, 4 and 8 edges and its in-process limit (<= 100 s): the
