@@ -33,7 +33,7 @@ from attnserve_server.domain import ANSWER_ALIGN, BatchReport, aligned
 # edge -> engine
 READY = 1  # (READY,): the edge serves its port
 FATAL = 2  # (FATAL, error class name, message): the edge cannot start
-SUBMIT = 3  # (SUBMIT, id, model, a Submission's fields as a tuple): see edge_process.RemoteModel.submit
+SUBMIT = 3  # (SUBMIT, id, model, a Submission's fields as a tuple): see edge_process.EngineLink.submit
 CANCEL = 4  # (CANCEL, id): its caller went away
 STATS = 5  # (STATS, id, model names): KServe statistics, summed over every process
 SHM = 6  # (SHM, id, "register" or "unregister", arguments): a client's shared memory call (shared_memory.py)
