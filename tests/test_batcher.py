@@ -211,6 +211,37 @@ def test_under_load_a_batch_of_little_work_lingers_for_more_without_the_pipelini
     run(main())
 
 
+def test_a_lingering_runner_is_woken_only_by_an_arrival_that_may_close_its_batch() -> None:
+    # Each wake of a runner takes the GIL from the event loop and plans the batch again: under load, an
+    # arrival that cannot close the batch must not wake it (Batcher._gathering).
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
+        first, blocker, threads = await arrives_while_busy(b, runner, work=1)
+        await blocker
+        await until(lambda: b._gathering is not None)  # lingering: "a" holds 1 of 10
+        wakes = 0
+        notify = b._cond.notify
+
+        def counted(n: int = 1) -> None:
+            nonlocal wakes
+            wakes += 1
+            notify(n)
+
+        b._cond.notify = counted  # type: ignore[method-assign]
+        small = [submit(b, x, work=1) for x in "bcd"]  # 4 of 10: the batch cannot close yet
+        other = submit(b, "z", work=9, group="h")  # another group waits its turn behind "a"
+        await until(lambda: b.depth == 5)
+        assert wakes == 0, "an arrival that cannot close the batch woke the runner"
+        last = submit(b, "e", work=6)  # 10 of 10: closes it at once, long before the minute
+        assert await asyncio.gather(first, *small, last) == [("done", x) for x in "abcde"]
+        assert wakes >= 1 and await other == ("done", "z")
+        assert runner.batches == [["block"], ["a", "b", "c", "d", "e"], ["z"]]
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_runner_that_saw_no_arrivals_while_computing_takes_a_lone_request_at_once() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -64,7 +64,8 @@ holds is answered UNAVAILABLE, and `on_broken` tells the server, which stops and
 
 Threads: one lock guards the queue, and idle runners wait on its condition (a second runner on one
 of its own, so that a notify meant for a runner that may take the batch never wakes one that may
-not). Everything the batcher tells the rest of the server (observer reports, queue listeners,
+not). A runner that waits for more (lingering, or a delay) is woken only by an arrival that may close
+its batch (`_Gathering`). Everything the batcher tells the rest of the server (observer reports, queue listeners,
 answers) happens on the event loop: a runner posts one callback per batch.
 """
 
@@ -202,6 +203,49 @@ class _Batch(Generic[T]):
         self.taken = time.monotonic()
 
 
+@dataclass(eq=False)
+class _Gathering:
+    """A runner's timed wait for more of one group (lingering, or a max_queue_delay): the group's totals
+    as its plan last saw them, so that `submit` wakes it only for an arrival after which the batch may
+    close. Waking it at every arrival, to plan again and go back to waiting, cost ~2 thread wakes a
+    request, each taking the GIL from the event loop (BENCHMARKS.md, forty-fifth pass)."""
+
+    group: Hashable
+    sequences: int
+    longest: int
+    memory: int
+    work: int
+    closes_at_work: int  # lingering: the work at which the batch closes; 0: only a full batch closes it
+
+    @classmethod
+    def of(cls, group: Hashable, queue: deque[_Entry], closes_at_work: int) -> _Gathering:
+        return cls(
+            group,
+            sum(e.sequences for e in queue),
+            max((e.length for e in queue), default=0),
+            sum(e.memory for e in queue),
+            sum(e.work for e in queue),
+            closes_at_work,
+        )
+
+    def closes(self, entry: _Entry, limits: BatchLimits) -> bool:
+        """Counts a new `entry` in: True if the batch may now close, full or with enough work (whenever
+        `Batcher._plan` would call it full, and a little more often: a spurious wake costs a plan, a
+        missed one a late batch)."""
+        if entry.group != self.group:
+            return False  # a runner plans the oldest request's group only: this one waits its turn
+        self.sequences += entry.sequences
+        self.longest = max(self.longest, entry.length)
+        self.memory += entry.memory
+        self.work += entry.work
+        return (
+            self.sequences >= limits.max_batch_size
+            or self.sequences * self.longest >= limits.max_batch_tokens
+            or self.memory > limits.max_batch_memory_bytes
+            or 0 < self.closes_at_work <= self.work
+        )
+
+
 @dataclass(frozen=True)
 class _Alone:
     """A request of a failed batch that failed again when it ran alone."""
@@ -250,6 +294,7 @@ class Batcher(Generic[T, R]):
         self._admitted = 0  # items ever queued: a runner counts those that arrived while it computed
         self._in_flight: set[_Batch[T]] = set()
         self._sharing = 0  # shared batches computing now (pairing)
+        self._gathering: _Gathering | None = None  # a first runner's timed wait for more; None: wake it at any arrival
         self._seconds = 0  # second runners serving (pairing)
         self._closing = False  # draining: no new items, and queued ones run without their delay
         self._stopped = False  # closed: runners return
@@ -345,7 +390,9 @@ class Batcher(Generic[T, R]):
                 self._queued_bytes += nbytes
                 self._depth += 1
                 self._admitted += 1
-                self._cond.notify()
+                gathering = self._gathering
+                if gathering is None or gathering.closes(entry, self._limits):
+                    self._cond.notify()
                 if self._sharing:
                     self._second_cond.notify()
         if refused is not None:
@@ -529,13 +576,21 @@ class Batcher(Generic[T, R]):
                 now = time.monotonic()
                 count, full, work = self._plan(head.group)
                 close_at = head.enqueued + delay
+                closes_at_work = 0
                 if linger and work < limits.linger_work:
                     # Too little work to pay for a batch: no pipelining cap, and wait for more.
                     count, full, work = self._plan(head.group, pipeline=False)
                     if not full and work < limits.linger_work:
                         close_at = max(close_at, head.enqueued + linger)
+                        closes_at_work = limits.linger_work
                 if not (full or self._closing or close_at <= now):
+                    # Not full, so the plan was uncapped and counted the whole group. Until close_at only
+                    # an arrival that may close the batch wakes this runner (submit; a second runner
+                    # hears every arrival, as before).
+                    if not second:
+                        self._gathering = _Gathering.of(head.group, self._groups[head.group], closes_at_work)
                     cond.wait(close_at - now)
+                    self._gathering = None
                     continue
                 shared = second or (pairs and self._sharing > 0)  # beside a shared batch computing now
                 split = pairs and not shared and self._seconds > 0 and count > 1 and 0 < 2 * limits.pair_work <= work
