@@ -185,10 +185,28 @@ def test_pipelining_leaves_the_batches_of_a_model_with_a_delay_whole() -> None:
     run(main())
 
 
-async def arrives_while_busy(b: Batcher, runner: FakeRunner, work: int) -> tuple[asyncio.Future, asyncio.Future, list]:
+async def arrives_while_busy(
+    b: Batcher, runner: FakeRunner, work: int, in_play: int = 0
+) -> tuple[asyncio.Future, asyncio.Future, list]:
     """Request "a" (of `work`) arrives while the runner computes "block"; then the runner is let go. Returns
-    "a"'s and the blocker's futures, and the runner's threads."""
-    blocker, threads = await occupy(b, runner)
+    "a"'s and the blocker's futures, and the runner's threads. With `in_play`, first as many requests are in
+    at once (one computing, the rest queued), as clients that keep that many in play send them: a lingering
+    batch may then wait for that many (batching.py: lingering)."""
+    if in_play:
+        threads = start(b, runner)
+        seen = [submit(b, ("seen", 0), work=1 << 40)]  # too much work to linger
+        await runner.started()
+        seen += [submit(b, ("seen", i), work=1 << 40) for i in range(1, in_play)]
+        await until(lambda: b.depth == in_play - 1)
+        runner.gate.set()
+        await asyncio.gather(*seen)
+        runner.gate.clear()
+        runner.running.clear()
+        runner.batches.clear()
+        blocker = submit(b, "block")
+        await runner.started()
+    else:
+        blocker, threads = await occupy(b, runner)
     first = submit(b, "a", work=work)
     await until(lambda: b.depth == 1)
     runner.gate.set()
@@ -200,7 +218,7 @@ def test_under_load_a_batch_of_little_work_lingers_for_more_without_the_pipelini
         runner = FakeRunner()
         # A linger far longer than the test: only reaching linger_work can close this batch.
         b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
-        first, blocker, threads = await arrives_while_busy(b, runner, work=3)
+        first, blocker, threads = await arrives_while_busy(b, runner, work=3, in_play=8)
         await blocker  # the runner is back for its next batch, and finds 3 of 10 queued
         rest = [submit(b, "b", work=3), submit(b, "c", work=4)]
         assert await asyncio.gather(first, *rest) == [("done", x) for x in "abc"]
@@ -217,7 +235,7 @@ def test_a_lingering_runner_is_woken_only_by_an_arrival_that_may_close_its_batch
     async def main() -> None:
         runner = FakeRunner()
         b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
-        first, blocker, threads = await arrives_while_busy(b, runner, work=1)
+        first, blocker, threads = await arrives_while_busy(b, runner, work=1, in_play=8)
         await blocker
         await until(lambda: b._gathering is not None)  # lingering: "a" holds 1 of 10
         wakes = 0
@@ -237,6 +255,25 @@ def test_a_lingering_runner_is_woken_only_by_an_arrival_that_may_close_its_batch
         assert await asyncio.gather(first, *small, last) == [("done", x) for x in "abcde"]
         assert wakes >= 1 and await other == ("done", "z")
         assert runner.batches == [["block"], ["a", "b", "c", "d", "e"], ["z"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_lingering_batch_closes_once_every_request_in_play_is_in() -> None:
+    async def main() -> None:
+        runner = FakeRunner()
+        # A linger far longer than the test, and far more work to wait for than comes.
+        b = Batcher(limits(pipeline=True, linger_work=100, max_linger_s=60.0))
+        blocker, threads = await occupy(b, runner)
+        early = [submit(b, x, work=1) for x in "pqr"]  # four clients: "block" computing, three queued
+        await until(lambda: b.depth == 3)
+        runner.gate.set()
+        # "block" is answered; its client sends again. Until then the three linger: four are in play.
+        assert await blocker == ("done", "block")
+        last = submit(b, "s", work=1)  # all four in: the batch closes now, not in a minute
+        assert await asyncio.gather(*early, last) == [("done", x) for x in "pqrs"]
+        assert runner.batches == [["block"], ["p", "q", "r", "s"]]
         await stop(b, threads)
 
     run(main())

@@ -40,6 +40,15 @@ more, without the pipelining cap, which would otherwise hold such batches at one
 L=16 at concurrency 64 served 18% more while the host was fast and about the same while it was slow,
 when slower batches gather more requests anyway (BENCHMARKS.md, twenty-third pass).
 
+A lingering batch stops waiting once every request its clients keep in play is in: queued or
+computing. The batcher counts the most it has seen in at once lately (a maximum sampled at each
+admission that forgets slowly, `IN_PLAY_DECAY`); when that many are in, no client can send another
+before an answer goes out, and waiting longer would only add latency. At concurrency 4 a batch then
+closes as soon as the requests whose answers just went out are back; at 32, where most of the requests
+in play are in gRPC's hands, it waits up to `max_linger_s`. With that rule a longer bound pays:
+small requests (E=64, 4 heads, L=16) served 9-16% more at concurrency 8 to 128 with 3 ms than with 1 ms
+without it, and as much at 2 and 4, where a 3 ms bound alone lost 13-39% (BENCHMARKS.md, forty-fifth pass).
+
 Pairing (`BatchLimits.pair_work`; a runner that passes `shared`, and a `second` runner): a CPU batch
 on several intra-op threads meets at a barrier after every parallel loop, and a thread that the event
 loop, gRPC or a client preempts leaves the others waiting there. Two batches side by side on a share
@@ -102,6 +111,9 @@ log = logging.getLogger(__name__)
 # An idle runner looks this often whether its event loop is gone (a server that died without closing
 # its batcher), so a runner's thread never outlives it: exiting Python joins executor threads.
 IDLE_CHECK_S = 0.5
+# The estimate of the requests in play (module docstring: lingering) shrinks by this factor at each
+# admission, so a load that falls is forgotten within a few thousand requests (~1 s of small ones).
+IN_PLAY_DECAY = 0.999
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,8 @@ class Batcher(Generic[T, R]):
         self._admitted = 0  # items ever queued: a runner counts those that arrived while it computed
         self._in_flight: set[_Batch[T]] = set()
         self._sharing = 0  # shared batches computing now (pairing)
+        self._computing = 0  # requests in batches that runners took and have not finished
+        self._in_play = 0.0  # the most requests queued or computing at once lately (lingering)
         self._gathering: _Gathering | None = None  # a first runner's timed wait for more; None: wake it at any arrival
         self._seconds = 0  # second runners serving (pairing)
         self._closing = False  # draining: no new items, and queued ones run without their delay
@@ -390,8 +404,9 @@ class Batcher(Generic[T, R]):
                 self._queued_bytes += nbytes
                 self._depth += 1
                 self._admitted += 1
+                self._in_play = max(self._depth + self._computing, self._in_play * IN_PLAY_DECAY)
                 gathering = self._gathering
-                if gathering is None or gathering.closes(entry, self._limits):
+                if gathering is None or gathering.closes(entry, self._limits) or self._all_in():
                     self._cond.notify()
                 if self._sharing:
                     self._second_cond.notify()
@@ -531,8 +546,10 @@ class Batcher(Generic[T, R]):
                     error = exc
                     if len(batch.items) > 1:  # each request alone: only those that fail so fail
                         results = [_run_alone(runner, item) for item in batch.items]
-                if batch.shared:
-                    with self._cond:
+                with self._cond:
+                    # Its requests are out (their answers about to go): their clients may send again.
+                    self._computing -= len(batch.entries)
+                    if batch.shared:
                         self._sharing -= 1
                 # Counted before the answers go out: a lone client's next request, sent once it has
                 # its answer, must not count, however late this thread reaches its next batch.
@@ -580,7 +597,7 @@ class Batcher(Generic[T, R]):
                 if linger and work < limits.linger_work:
                     # Too little work to pay for a batch: no pipelining cap, and wait for more.
                     count, full, work = self._plan(head.group, pipeline=False)
-                    if not full and work < limits.linger_work:
+                    if not full and work < limits.linger_work and not self._all_in():
                         close_at = max(close_at, head.enqueued + linger)
                         closes_at_work = limits.linger_work
                 if not (full or self._closing or close_at <= now):
@@ -601,12 +618,18 @@ class Batcher(Generic[T, R]):
                     self._cond.notify()  # more may run: another idle runner's turn
                 if batch.entries:
                     self._in_flight.add(batch)
+                    self._computing += len(batch.entries)
                     if shared or split:
                         batch.shared = True
                         self._sharing += 1
                         if self._groups:
                             self._second_cond.notify()  # the rest may compute beside it
                     return batch, self._admitted
+
+    def _all_in(self) -> bool:
+        """Whether every request the clients keep in play is queued or computing (under the lock):
+        none can come before an answer goes out, so a lingering batch waits for nothing."""
+        return self._depth + self._computing >= round(self._in_play)
 
     def _oldest(self) -> _Entry[T] | None:
         heads = [q[0] for q in self._groups.values()]

@@ -28,9 +28,10 @@ DTYPES = ("auto", *FLOATS)
 KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
 CPU_MATMULS = ("onednn", "aten")  # compute/linear.py
-# Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third pass, how they were chosen).
+# Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third and forty-fifth passes,
+# how they were chosen).
 LINGER_MACS = 16_000_000
-MAX_LINGER_MS = 1.0
+MAX_LINGER_MS = 3.0
 # With pipelining, a CPU batch of several may close at this many multiply-adds once it holds 4
 # sequences (batching.py). Off by default: 400 M served L=256 at concurrency 32 1.12x more, W1 the
 # same and WL 0.93-0.98x (BENCHMARKS.md, thirty-first pass).
@@ -383,7 +384,13 @@ OPTIONS: tuple[Option, ...] = (
         " this waits up to --max-linger-ms after its first request for more; 0 turns it off"
         f" (default {LINGER_MACS})",
     ),
-    Option("max-linger-ms", "batching", float, f"the longest a batch lingers (default {MAX_LINGER_MS:g})"),
+    Option(
+        "max-linger-ms",
+        "batching",
+        float,
+        "the longest a batch lingers, counted from its first request; it stops sooner once every request in"
+        f" play is in (default {MAX_LINGER_MS:g})",
+    ),
     Option("weights", "weights", str, "weights file (safetensors); default: seeded random"),
     Option("weights-format", "weights", str, "torch or bert (default torch when --weights is given)"),
     Option(
