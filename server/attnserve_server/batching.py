@@ -46,8 +46,10 @@ admission that forgets slowly, `IN_PLAY_DECAY`); when that many are in, no clien
 before an answer goes out, and waiting longer would only add latency. At concurrency 4 a batch then
 closes as soon as the requests whose answers just went out are back; at 32, where most of the requests
 in play are in gRPC's hands, it waits up to `max_linger_s`. With that rule a longer bound pays:
-small requests (E=64, 4 heads, L=16) served 9-16% more at concurrency 8 to 128 with 3 ms than with 1 ms
-without it, and as much at 2 and 4, where a 3 ms bound alone lost 13-39% (BENCHMARKS.md, forty-fifth pass).
+small requests (E=64, 4 heads, L=16) served 1.05-1.23x as much at concurrency 8 to 128 with 3 ms as with
+1 ms without it, in pairs, and 0.98x at 2 and 4, where a 3 ms bound alone lost 13-39% (BENCHMARKS.md,
+forty-fifth pass). While load grows, each new most-in-at-once looks like "all in", and the batch
+closes early, as it would without lingering.
 
 Pairing (`BatchLimits.pair_work`; a runner that passes `shared`, and a `second` runner): a CPU batch
 on several intra-op threads meets at a barrier after every parallel loop, and a thread that the event
