@@ -260,6 +260,27 @@ def test_a_lingering_runner_is_woken_only_by_an_arrival_that_may_close_its_batch
     run(main())
 
 
+def test_a_lingering_runner_whose_first_request_is_withdrawn_plans_again() -> None:
+    # The runner waits for more of "a"'s group, woken only by arrivals that may close that batch. Once
+    # "a" is cancelled the oldest request is another group's, whose arrivals must be heard.
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(pipeline=True, linger_work=10, max_linger_s=60.0))
+        first, blocker, threads = await arrives_while_busy(b, runner, work=1, in_play=8)
+        await blocker
+        await until(lambda: b._gathering is not None and b._gathering.group == "g")
+        other = submit(b, "z", work=5, group="h")
+        await until(lambda: b.depth == 2)
+        first.cancel()
+        await until(lambda: b._gathering is not None and b._gathering.group == "h")
+        last = submit(b, "y", work=5, group="h")  # 10 of 10 in "h": closes it long before the minute
+        assert await asyncio.gather(other, last) == [("done", "z"), ("done", "y")]
+        assert runner.batches == [["block"], ["z", "y"]]
+        await stop(b, threads)
+
+    run(main())
+
+
 def test_a_lingering_batch_closes_once_every_request_in_play_is_in() -> None:
     async def main() -> None:
         runner = FakeRunner()

@@ -504,6 +504,10 @@ class Batcher(Generic[T, R]):
             entry.queued = False
             self._queued_bytes -= entry.nbytes
             self._depth -= 1
+            if self._gathering is not None:
+                # A runner waits for more of a group whose totals (or head) just changed: it plans again.
+                # Left waiting, it would hear no arrival of another group, whose turn it now is.
+                self._cond.notify()
         self._report_depth()
         self._changed.set()
         return True
