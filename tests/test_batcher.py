@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from attnserve_server import batching
 from attnserve_server.batching import Batcher, BatchLimits
 from attnserve_server.errors import (
     BatcherStopped,
@@ -295,6 +296,27 @@ def test_a_lingering_batch_closes_once_every_request_in_play_is_in() -> None:
         last = submit(b, "s", work=1)  # all four in: the batch closes now, not in a minute
         assert await asyncio.gather(*early, last) == [("done", x) for x in "pqrs"]
         assert runner.batches == [["block"], ["p", "q", "r", "s"]]
+        await stop(b, threads)
+
+    run(main())
+
+
+def test_a_lingering_batch_forgets_the_clients_that_left_within_two_windows(monkeypatch) -> None:
+    monkeypatch.setattr(batching, "IN_PLAY_WINDOW_S", 0.2)
+
+    async def main() -> None:
+        runner = FakeRunner()
+        b = Batcher(limits(pipeline=True, linger_work=100, max_linger_s=60.0))
+        # Eight were in play a moment ago: "a" lingers for the seven others.
+        first, blocker, threads = await arrives_while_busy(b, runner, work=1, in_play=8)
+        await blocker
+        await until(lambda: b._gathering is not None)
+        # Two windows pass with no one else sending (the load fell to two clients): the next arrival
+        # finds every request in play in, and the batch closes now, not in a minute.
+        await asyncio.sleep(2 * batching.IN_PLAY_WINDOW_S + 0.01)
+        last = submit(b, "b", work=1)
+        assert await asyncio.gather(first, last) == [("done", "a"), ("done", "b")]
+        assert runner.batches == [["block"], ["a", "b"]]
         await stop(b, threads)
 
     run(main())

@@ -40,16 +40,19 @@ more, without the pipelining cap, which would otherwise hold such batches at one
 L=16 at concurrency 64 served 18% more while the host was fast and about the same while it was slow,
 when slower batches gather more requests anyway (BENCHMARKS.md, twenty-third pass).
 
-A lingering batch stops waiting once every request its clients keep in play is in: queued or
-computing. The batcher counts the most it has seen in at once lately (a maximum sampled at each
-admission that forgets slowly, `IN_PLAY_DECAY`); when that many are in, no client can send another
-before an answer goes out, and waiting longer would only add latency. At concurrency 4 a batch then
-closes as soon as the requests whose answers just went out are back; at 32, where most of the requests
-in play are in gRPC's hands, it waits up to `max_linger_s`. With that rule a longer bound pays:
+A lingering batch stops waiting once every request its clients keep in play is in: queued or computing.
+The batcher counts the most it has seen in at once lately (sampled at each admission, the maximum over
+the current and the previous window of `IN_PLAY_WINDOW_S`); when that many are in, no client can send
+another before an answer goes out, and waiting longer would only add latency. At concurrency 4 a batch
+then closes as soon as the requests whose answers just went out are back; at 32, where most of the
+requests in play are in gRPC's hands, it waits up to `max_linger_s`. With that rule a longer bound pays:
 small requests (E=64, 4 heads, L=16) served 1.05-1.23x as much at concurrency 8 to 128 with 3 ms as with
 1 ms without it, in pairs, and 0.98x at 2 and 4, where a 3 ms bound alone lost 13-39% (BENCHMARKS.md,
-forty-fifth pass). While load grows, each new most-in-at-once looks like "all in", and the batch
-closes early, as it would without lingering.
+forty-fifth pass). While load grows, each new most-in-at-once looks like "all in", and the batch closes
+early, as it would without lingering. When load falls, the clients that left are forgotten within two
+windows: at E=64 L=16, after 32 clients became 4, batches lingered their whole 3 ms (p50 3.3 ms against
+2.0) for 1.4 s while an estimate that shrank by 0.1% an admission forgot them (BENCHMARKS.md, forty-
+sixth pass), and the slower the requests, the longer that took.
 
 Pairing (`BatchLimits.pair_work`; a runner that passes `shared`, and a `second` runner): a CPU batch
 on several intra-op threads meets at a barrier after every parallel loop, and a thread that the event
@@ -113,9 +116,10 @@ log = logging.getLogger(__name__)
 # An idle runner looks this often whether its event loop is gone (a server that died without closing
 # its batcher), so a runner's thread never outlives it: exiting Python joins executor threads.
 IDLE_CHECK_S = 0.5
-# The estimate of the requests in play (module docstring: lingering) shrinks by this factor at each
-# admission, so a load that falls is forgotten within a few thousand requests (~1 s of small ones).
-IN_PLAY_DECAY = 0.999
+# The requests in play (module docstring: lingering) are the most seen at once in the current window of
+# this length and the one before it: clients that left are forgotten within two windows, however slowly
+# the rest send. Each window holds hundreds of admissions of requests small enough to linger.
+IN_PLAY_WINDOW_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -309,7 +313,9 @@ class Batcher(Generic[T, R]):
         self._in_flight: set[_Batch[T]] = set()
         self._sharing = 0  # shared batches computing now (pairing)
         self._computing = 0  # requests in batches that runners took and have not finished
-        self._in_play = 0.0  # the most requests queued or computing at once lately (lingering)
+        # Lingering: the most requests queued or computing at once in this window and in the one before.
+        self._in_play_now = self._in_play_before = 0
+        self._window_ends = 0.0  # time.monotonic()
         self._gathering: _Gathering | None = None  # a first runner's timed wait for more; None: wake it at any arrival
         self._seconds = 0  # second runners serving (pairing)
         self._closing = False  # draining: no new items, and queued ones run without their delay
@@ -406,7 +412,7 @@ class Batcher(Generic[T, R]):
                 self._queued_bytes += nbytes
                 self._depth += 1
                 self._admitted += 1
-                self._in_play = max(self._depth + self._computing, self._in_play * IN_PLAY_DECAY)
+                self._count_in_play(now)
                 gathering = self._gathering
                 if gathering is None or gathering.closes(entry, self._limits) or self._all_in():
                     self._cond.notify()
@@ -635,7 +641,16 @@ class Batcher(Generic[T, R]):
     def _all_in(self) -> bool:
         """Whether every request the clients keep in play is queued or computing (under the lock):
         none can come before an answer goes out, so a lingering batch waits for nothing."""
-        return self._depth + self._computing >= round(self._in_play)
+        return self._depth + self._computing >= max(self._in_play_now, self._in_play_before)
+
+    def _count_in_play(self, now: float) -> None:
+        """Samples the requests in play at an admission (under the lock), in windows of IN_PLAY_WINDOW_S."""
+        if now >= self._window_ends:
+            recent = now < self._window_ends + IN_PLAY_WINDOW_S  # the window just ended, not an older one
+            self._in_play_before = self._in_play_now if recent else 0
+            self._in_play_now = 0
+            self._window_ends = now + IN_PLAY_WINDOW_S
+        self._in_play_now = max(self._in_play_now, self._depth + self._computing)
 
     def _oldest(self) -> _Entry[T] | None:
         heads = [q[0] for q in self._groups.values()]
