@@ -48,7 +48,7 @@ async def main(args: argparse.Namespace) -> None:
         latencies = [latency for t, latency in done if lo <= t < lo + WINDOW_S]
         if latencies:
             p50 = statistics.median(latencies) * 1e3
-            print(f"| {i * WINDOW_S:.2f}–{(i + 1) * WINDOW_S:.2f} s | {len(latencies) / WINDOW_S:.0f} | {p50:.2f} |")
+            print(f"| {i * WINDOW_S:.2f}-{(i + 1) * WINDOW_S:.2f} s | {len(latencies) / WINDOW_S:.0f} | {p50:.2f} |")
 
 
 if __name__ == "__main__":
