@@ -50,8 +50,8 @@ small requests (E=64, 4 heads, L=16) served 1.05-1.23x as much at concurrency 8 
 1 ms without it, in pairs, and 0.98x at 2 and 4, where a 3 ms bound alone lost 13-39% (BENCHMARKS.md,
 forty-fifth pass). While load grows, each new most-in-at-once looks like "all in", and the batch closes
 early, as it would without lingering. When load falls, the clients that left are forgotten within two
-windows: at E=64 L=16, after 32 clients became 4, batches lingered their whole 3 ms (p50 3.3 ms against
-2.0) for 1.4 s while an estimate that shrank by 0.1% an admission forgot them (BENCHMARKS.md,
+windows: at E=64 L=16, after 32 clients became 4, batches lingered their whole 3 ms (p50 ~3.4 ms against
+2.1-2.3) for about 1.5 s while an estimate that shrank by 0.1% an admission forgot them (BENCHMARKS.md,
 forty-sixth pass), and the slower the requests, the longer that took.
 
 Pairing (`BatchLimits.pair_work`; a runner that passes `shared`, and a `second` runner): a CPU batch
