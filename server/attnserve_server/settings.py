@@ -246,8 +246,8 @@ OPTIONS: tuple[Option, ...] = (
         "small-batch-macs",
         "server",
         int,
-        "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread; 0 turns this off"
-        f" (default {SMALL_BATCH_MACS})",
+        "a CPU batch of several requests with fewer multiply-adds runs on one intra-op thread, and so does such"
+        f" a lone request that comes amid batches of several; 0 turns this off (default {SMALL_BATCH_MACS})",
     ),
     Option(
         "min-parallel-speedup",

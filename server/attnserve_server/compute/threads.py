@@ -51,6 +51,15 @@ decides it is what a wake of the other core costs, and that differs by machine. 
 faster on one thread on the Intel VM of BENCHMARKS.md's later passes (under a short OpenMP spin)
 and on two on its AMD VMs. Only a worker's thread measures: the event loop's solo runs take only
 requests that this rule runs on one thread (model.py).
+
+A lone request within LONE_UNDER_LOAD of a batch of several is not alone on the machine, though: the
+loop is answering that batch and decoding the next. If its work is under `small_batch_macs` it runs
+on one thread, as a batch of several that small would. Before, only cores measured short did that, and
+a batch of several requests under `small_batch_macs` is never timed: W1 at concurrency 4 and 8 (batches
+of 2-4, a fifth of them lone) ran its lone requests on whatever a spell at concurrency 1 had taught,
+there two threads, whose second woke on the loop's core. In pairs after a window at concurrency 1
+(BENCHMARKS.md, forty-seventh pass), W1 at 8 served 1.073x (p99 0.66x) and at 4 1.225x (p99 0.42x),
+and the same within the noise at 1, 2, 4 and 8 without that window, at 32, and for L=128 and E=1024.
 """
 
 from __future__ import annotations
@@ -80,9 +89,10 @@ MIN_SPEEDUP = 1.05
 # (the module docstring): between W1's 21-31% and L=256's 11-15% at concurrency 32 on the 2-vCPU VM.
 CONTENDED = 0.2
 STRONG_SPEEDUP = 1.5
-# A lone request that comes within this many lone requests of a batch of several, while such batches
-# keep to one thread for want of a core, runs on one thread too: the server is under load, and a
-# second thread would take the core from the event loop and spin there afterwards (openmp.py).
+# A lone request that comes within this many lone requests of a batch of several runs on one thread
+# too if it has less work than `small_batch_macs`, or while such batches keep to one thread for want
+# of a core: the server is under load, and a second thread would take the core from the event loop
+# and spin there afterwards (openmp.py).
 LONE_UNDER_LOAD = 8
 # While batches of several keep to one thread for want of a core, every thread is probed this many
 # times less often: each probe wakes the partner, which then spins on the core the loop wanted. W1 at
@@ -185,7 +195,8 @@ class ThreadChooser:
             self._lone_run += 1
         if not self._measure or threads != self.most:
             return threads, False
-        if alone and self._lone_run < LONE_UNDER_LOAD and self._short_of_cores(self._arms[False]):
+        under_load = alone and self._lone_run < LONE_UNDER_LOAD
+        if under_load and (macs < self._rule.small_batch_macs or self._short_of_cores(self._arms[False])):
             return 1, False
         arms = self._arms[alone]
         fewer = min((self.most, 1), key=lambda t: len(arms.first[t]))  # a tie: every thread first
