@@ -516,39 +516,41 @@ def test_the_wait_for_a_core_is_a_recent_mean_and_lone_requests_do_not_count() -
     assert run(8, 1.0)[-1] == 2
 
 
-def test_a_lone_request_under_load_runs_on_one_thread_while_batches_of_several_are_short_of_cores() -> None:
+def _taught_two_threads_alone() -> ThreadChooser:
+    """A chooser whose lone requests measured faster on two threads (a spell at concurrency 1)."""
     chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
-    for _ in range(2 * FIRST_SAMPLES + 10):  # alone, two threads are faster
+    for _ in range(2 * FIRST_SAMPLES + 10):
         threads, _measured = chooser.pick(19_000_000, 1)
         chooser.record(threads, 19_000_000, 0.0005 if threads == 1 else 0.0004, 1)
     assert chooser.preferred(alone=True) == 2
+    return chooser
+
+
+def test_a_lone_request_under_load_runs_on_one_thread_while_batches_of_several_are_short_of_cores() -> None:
+    chooser = _taught_two_threads_alone()
     for _ in range(4 * PROBE_EVERY):  # batches of several, short of cores (W1 at concurrency 32)
         threads, _measured = chooser.pick(MEASURED, 12)
         chooser.record(threads, MEASURED, 0.0086 if threads == 1 else 0.0078, 12, 0.7)
     assert chooser.preferred() == 1
-    # Lone requests between them take one thread, untimed; once LONE_UNDER_LOAD come in a row the
-    # server is quiet again, and a lone request chooses for itself.
-    lone = [chooser.pick(19_000_000, 1) for _ in range(LONE_UNDER_LOAD)]
+    # Lone requests between them take one thread, untimed, even those with a measured batch's work;
+    # once LONE_UNDER_LOAD come in a row the server is quiet again, and a lone request chooses for itself.
+    lone = [chooser.pick(MEASURED, 1) for _ in range(LONE_UNDER_LOAD)]
     assert lone[:-1] == [(1, False)] * (LONE_UNDER_LOAD - 1) and lone[-1] == (2, True)
 
 
 def test_a_small_lone_request_under_load_runs_on_one_thread_whatever_it_learned_alone() -> None:
-    # W1 at concurrency 4 or 8 after a spell at 1: alone, two threads measured faster; under load the
-    # batches of several are small (one thread by size, never timed), so nothing says the cores are
-    # short, and a lone request among them woke the second thread on the event loop's core.
-    chooser = CpuThreads(None, SMALL_BATCH_MACS, min_speedup=1.05).chooser(2)
-    for _ in range(2 * FIRST_SAMPLES + 10):  # alone, two threads are faster
-        threads, _measured = chooser.pick(19_000_000, 1)
-        chooser.record(threads, 19_000_000, 0.0005 if threads == 1 else 0.0004, 1)
-    assert chooser.preferred(alone=True) == 2
+    # W1 at concurrency 4 or 8 after a spell at 1: under load its batches of several are small (one
+    # thread by size, never timed), so nothing says the cores are short, and a lone request among them
+    # woke the second thread on the event loop's core.
+    chooser = _taught_two_threads_alone()
     assert chooser.pick(4 * 19_000_000, 4) == (1, False)  # a small batch of several
     # The lone requests that follow take one thread, untimed, as a batch of several this small would;
     # once LONE_UNDER_LOAD come in a row the server is quiet again and a lone request chooses for itself.
     lone = [chooser.pick(19_000_000, 1) for _ in range(LONE_UNDER_LOAD)]
     assert lone[:-1] == [(1, False)] * (LONE_UNDER_LOAD - 1) and lone[-1] == (2, True)
-    # A lone request with as much work as a measured batch of several still chooses for itself.
+    # A lone request with a measured batch's work still chooses for itself while the cores are not short.
     assert chooser.pick(4 * 19_000_000, 4) == (1, False)
-    assert chooser.pick(SMALL_BATCH_MACS, 1)[1]
+    assert chooser.pick(MEASURED, 1) == (2, True)
 
 
 def test_noisy_batches_keep_the_choice_on_the_faster_thread_count() -> None:
