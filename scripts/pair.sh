@@ -12,6 +12,8 @@
 #        flags, e.g. --async),
 #        PEER_A (inline, batcher or echo: arm A is that peer server of ../shared/peers instead, the same
 #        shape on 2 intra-op threads, after ../shared/peers/setup.sh; A and ARGS_A then do not apply)
+#        PRE_C (a concurrency: each arm first runs a window at it, not counted, right before its measured
+#        one: what a server carries from one load into the next, as compare.sh's c=1 before its c=8)
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000" C=1 L=256 scripts/pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,7 @@ else
 fi
 wait_healthy $SB "$PORT_B" "$OUT/b.log"
 one() {  # PORT: the arm's "req/s/p50 µs"
+  [ -n "${PRE_C:-}" ] && C=$PRE_C PRE_C= one "$1" >/dev/null
   local data=(-m default --input-data "$OUT/query.json")
   [ -n "${PEER_A:-}" ] && [ "$1" = "$PORT_A" ] && data=(-m mha --shape "X:$L,$E")
   # shellcheck disable=SC2086 # PA_FLAGS are words on purpose
