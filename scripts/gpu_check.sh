@@ -3,11 +3,23 @@
 # else runs without them), then the CUDA tests and the parity suites on CUDA, then the benchmarks.
 #   here:   scripts/fetch_gpu_wheels.sh          (the wheels the device image lacks, into .whl/)
 #   device: run carry [".whl"], timeout_s 500, command "bash scripts/gpu_check.sh"
+#   a rerun: command "STEPS=parity,wl bash scripts/gpu_check.sh" repeats only the steps named (of
+#   tests, parity, w1, graphs, wl; the imports always run first), so that it fits what is left of a
+#   session's device time after a start and a whole run (a whole run is ~7.5 of its 15 minutes).
 # Writes its logs and JSON, packed, to $OUT/gpu-check.tgz ($OUT: the device tool's folder, else
 # /tmp/attnserve-gpu). Exit 0 only if every step passed; each step has its own time limit, and
 # together they stay under 7.5 minutes (445 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STEPS=${STEPS:-tests,parity,w1,graphs,wl}
+for step in ${STEPS//,/ }; do
+  case $step in tests | parity | w1 | graphs | wl) ;; *)
+    echo "gpu_check: unknown step '$step' in STEPS (expected a comma list of tests, parity, w1, graphs, wl)" >&2
+    exit 2
+    ;;
+  esac
+done
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 # shellcheck source=scripts/device_lib.sh
 . scripts/device_lib.sh
 device_results gpu-check
@@ -43,10 +55,14 @@ PY
 status=0
 # 2. The CUDA tests (<= 60 s), then the parity suite with every model on CUDA (<= 90 s): cross
 #    attention, the bare operation, masks, per-head and averaged weights, mixed lengths in one batch.
-timeout 60 python3 -m pytest tests/test_cuda.py tests/test_worker.py -q -p no:cacheprovider -o addopts="" \
-  2>&1 | tee "$WORK/tests-cuda.log" || status=1
-ATTNSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest tests/test_parity.py -q -p no:cacheprovider -o addopts="" \
-  2>&1 | tee "$WORK/tests-parity-cuda.log" || status=1
+if want tests; then
+  timeout 60 python3 -m pytest tests/test_cuda.py tests/test_worker.py -q -p no:cacheprovider -o addopts="" \
+    2>&1 | tee "$WORK/tests-cuda.log" || status=1
+fi
+if want parity; then
+  ATTNSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest tests/test_parity.py -q -p no:cacheprovider -o addopts="" \
+    2>&1 | tee "$WORK/tests-parity-cuda.log" || status=1
+fi
 
 # 3. Benchmarks (<= 110 + 45 + 110 s): W1 and WL in bfloat16 (the CUDA default) through the server
 #    with 1, 2, 4 and 8 edge processes, and W1 with CUDA graphs at the default edge count, with the
@@ -59,9 +75,9 @@ bench() {
     tee "$WORK/bench-$name.txt" || status=1
 }
 W1=(--embed-dim 256 --num-heads 8 --seq-len 64 --concurrency 1,32,128)
-bench w1-bf16 110 "${W1[@]}" --edge-processes 1,2,4,8
-ATTNSERVE_CUDA_GRAPHS=true bench w1-bf16-graphs 45 "${W1[@]}" --edge-processes auto # the default: 4 on 16 CPUs
+want w1 && bench w1-bf16 110 "${W1[@]}" --edge-processes 1,2,4,8
+want graphs && ATTNSERVE_CUDA_GRAPHS=true bench w1-bf16-graphs 45 "${W1[@]}" --edge-processes auto # the default: 4 on 16 CPUs
 # WL at concurrency 32 only: with 128 too the H200 run (2026-12-04) ran out of its 110 s before the
 # in-process limit; at 32 alone gpu_profile.sh's same sweep took about a minute.
-bench wl-bf16 110 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32 --inprocess-s 1 --edge-processes 1,2,4,8
+want wl && bench wl-bf16 110 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32 --inprocess-s 1 --edge-processes 1,2,4,8
 exit $status
