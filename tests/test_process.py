@@ -401,6 +401,32 @@ def test_bench_rounds_measure_each_level_beside_its_own_limit(default_server: Ru
     assert bad.returncode == 2 and "--rounds: expected a whole number >= 1, got '0'" in bad.stderr
 
 
+def test_the_in_process_limit_is_the_faster_of_whole_batches_and_their_halves_side_by_side(
+    default_server: Running, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnserve_bench import bench
+    from attnserve_bench.bench import inprocess_throughput
+
+    with Client(default_server.target) as client:
+        info = client.model("default")
+    query = np.random.default_rng(0).standard_normal((1, 8, info.embed_dim), dtype=np.float32)
+    inputs = [{"query": query, "model": info.name, "causal": False, "dtype": None}]
+    # On two threads a CPU worker pairs (batching.py), so a batch of 4 is also timed as two halves of 2.
+    rps = inprocess_throughput(info, inputs, 4, seconds=0.2, torch_threads=2)
+    found = re.search(r"in-process: ([0-9.]+) req/s in whole batches of 4, ([0-9.]+) in their halves side by side",
+                      capsys.readouterr().err)  # fmt: skip
+    assert found is not None
+    whole, halves = float(found[1]), float(found[2])
+    assert whole > 0 and halves > 0 and rps == pytest.approx(max(whole, halves), abs=0.05)
+    # A batch of one has no halves; on one thread nothing pairs.
+    assert inprocess_throughput(info, inputs, 1, seconds=0.2, torch_threads=2) > 0
+    assert inprocess_throughput(info, inputs, 4, seconds=0.2, torch_threads=1) > 0
+    assert "halves" not in capsys.readouterr().err
+    # Whichever is faster is the limit: halves that took a microsecond a cycle make it 4 requests / µs.
+    monkeypatch.setattr(bench, "_paired_cycle_s", lambda worker, cycle, seconds: 1e-6)
+    assert inprocess_throughput(info, inputs, 4, seconds=0.2, torch_threads=2) == pytest.approx(4e6)
+
+
 def test_serve_refuses_a_bad_configuration_with_a_clear_message(tmp_path: Path) -> None:
     r = run_cli("serve", "--num-heads", "3", "--metrics-port", "-1")
     assert r.returncode == 2 and "embed_dim: 256 is not divisible by num_heads 3" in r.stderr

@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -624,7 +625,8 @@ def inprocess_throughput(
     info: Any, inputs: list[dict[str, Any]], batch_requests: int, seconds: float = 3.0, torch_threads: int | None = None
 ) -> float:
     """Requests/s of the model computed directly on a device worker, batch_requests at a time (taking
-    the inputs in turn when there are several)."""
+    the inputs in turn when there are several). On a CPU worker that pairs (batching.py), the faster of
+    whole batches on every thread and each batch's two halves side by side, as the server may run them."""
     import torch
 
     from attnserve_server.compute.staging import host_tensor
@@ -688,13 +690,71 @@ def inprocess_throughput(
             for batch in cycle:
                 worker.run(batch)
             times.append(time.perf_counter() - t0)
-        return batch_requests * len(cycle) / float(np.median(times))
+        whole = batch_requests * len(cycle) / float(np.median(times))
+        if not (worker.pairs and batch_requests >= 2):
+            return whole
+        paired = batch_requests * len(cycle) / _paired_cycle_s(worker, cycle, seconds)
+        print(
+            f"  in-process: {whole:.1f} req/s in whole batches of {batch_requests},"
+            f" {paired:.1f} in their halves side by side",
+            file=sys.stderr,
+        )
+        return max(whole, paired)
 
     try:
         # On the worker's own thread, as in the server.
         return worker.executor.submit(measure).result()
     finally:
         worker.close()
+
+
+def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> float:
+    """The median time of one cycle computed as a CPU server with pairing computes a large batch: its two
+    halves side by side, each on one runner's share of the threads (batching.py). Called on the first
+    runner's thread; the second runner computes the other halves, and the two meet after every cycle."""
+    halves = ([b[: len(b) // 2] for b in cycle], [b[len(b) // 2 :] for b in cycle])
+    both = threading.Barrier(2, timeout=120)
+    stop = threading.Event()
+
+    def partner() -> None:  # the second runner's lane computes on its share of the threads by itself
+        try:
+            both.wait()
+            while True:
+                for batch in halves[1]:
+                    worker.run(batch)
+                both.wait()
+                if stop.is_set():
+                    return
+        except BaseException:
+            both.abort()
+            raise
+
+    other = worker.executor.submit(partner)
+    warm = 2  # cycles not measured: the second runner's first batches
+    times: list[float] = []
+    try:
+        both.wait()
+        last = start = time.perf_counter()
+        while True:
+            for batch in halves[0]:
+                worker.run_shared(batch)
+            done = len(times) >= warm + 5 and time.perf_counter() - start >= seconds
+            if done:
+                stop.set()
+            both.wait()  # the other halves are done too
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+            if done:
+                break
+    except threading.BrokenBarrierError:
+        other.result()  # the second runner's own error, if it had one
+        raise
+    except BaseException:
+        both.abort()
+        raise
+    other.result()
+    return float(np.median(times[warm:]))
 
 
 # -- the command ----------------------------------------------------------------------------
