@@ -77,7 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also load a bare gRPC server that echoes the query (no queue, no compute): the transport floor",
     )
-    p.add_argument("--inprocess-s", type=float, default=3.0, help="seconds per in-process measurement (default 3)")
+    p.add_argument(
+        "--inprocess-s",
+        type=float,
+        default=3.0,
+        help="seconds per in-process measurement; a CPU worker that pairs is timed both ways, whole batches "
+        "and their halves side by side, and the faster is the limit (default 3)",
+    )
     p.add_argument(
         "--rounds",
         type=_positive,
