@@ -106,11 +106,13 @@ def test_inputs_and_outputs_in_shared_memory_match_the_message_path(client: tc.I
     weights = tc.InferRequestedOutput("attention_weights")  # this one comes in the message
     result = client.infer("default", [query_in], outputs=[output, weights])
     response = result.get_response()
-    # The output in the message comes first, so raw_output_contents[0] is its bytes.
-    assert [o.name for o in response.outputs] == ["attention_weights", "output"]
-    assert len(response.raw_output_contents) == 1
+    # As Triton answers: the outputs in the order asked, and a raw_output_contents entry for each, the one
+    # in shared memory empty (Triton's C++ client, perf_analyzer's, reads an entry for every output).
+    assert [o.name for o in response.outputs] == ["output", "attention_weights"]
+    assert response.raw_output_contents[0] == b""
+    assert len(response.raw_output_contents) == 2
     np.testing.assert_array_equal(result.as_numpy("attention_weights"), expected["attention_weights"])
-    placed = response.outputs[1]
+    placed = response.outputs[0]
     assert list(placed.shape) == [2, L, E]
     assert placed.parameters["shared_memory_region"].string_param == name
     assert placed.parameters["shared_memory_byte_size"].int64_param == expected["output"].nbytes
@@ -120,7 +122,7 @@ def test_inputs_and_outputs_in_shared_memory_match_the_message_path(client: tc.I
     # Both outputs in shared memory: the response carries no tensor bytes at all.
     weights.set_shared_memory(name, 4096, offset=weights_offset)
     response = client.infer("default", [query_in], outputs=[output, weights]).get_response()
-    assert len(response.raw_output_contents) == 0
+    assert list(response.raw_output_contents) == [b"", b""]
     got = shm.get_contents_as_numpy(region, np.float32, expected["attention_weights"].shape, offset=weights_offset)
     np.testing.assert_array_equal(got, expected["attention_weights"])
 

@@ -338,9 +338,10 @@ def encode(
     spec: ModelSpec, msg: v2.ModelInferRequest, decoded: Decoded, answer: Answer, timing: dict[str, int]
 ) -> v2.ModelInferResponse | Frame:
     """The response; a Frame (framing.py) when it carries raw_output_contents. An output asked for in
-    shared memory is written to its region here, and the response names it, its shape and its place,
-    without contents, after the outputs that carry theirs (so that raw_output_contents[i] stays
-    outputs[i]'s, as tritonclient reads them)."""
+    shared memory is written to its region here, and the response names it, its shape and its place.
+    Unless the outputs go as typed contents, raw_output_contents holds one entry per output, empty for
+    one in shared memory, as Triton sends them: raw_output_contents[i] is outputs[i]'s, and Triton's C++
+    client (perf_analyzer's) reads an entry for every output, crashing on a response without them."""
     response = v2.ModelInferResponse(model_name=spec.name, model_version=VERSION, id=msg.id)
     for key, value in timing.items():
         response.parameters[key].int64_param = value
@@ -357,8 +358,6 @@ def encode(
             if len(shape) == 3:
                 shape = (shape[0], 1, *shape[1:])
             tensors.append((name, shape, answer.weights))
-    if placed:  # (a stable sort: the outputs in shared memory after the others)
-        tensors.sort(key=lambda t: t[0] in placed)
     for name, shape, data in tensors:
         if name not in placed:
             contents = _output(response, name, dtype, shape, data, decoded.typed)
@@ -372,6 +371,8 @@ def encode(
             out.parameters[SHM_BYTE_SIZE].int64_param = memoryview(data).nbytes
             if offset:
                 out.parameters[SHM_OFFSET].int64_param = offset
+            if not (decoded.typed and dtype in _TYPED):  # (as _output decides for the others)
+                raw.append(b"")
     if not raw:
         return response
     frame = Frame(response.SerializeToString())
