@@ -90,6 +90,14 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_CLIENT_PING_MIN_S": "-2"}, "client_ping_min_s: expected >= 0, got -2.0"),
         ({"ATTNSERVE_EDGE_PROCESSES": "0"}, "edge_processes: expected auto or >= 1, got 0"),
         ({"ATTNSERVE_EDGE_PROCESSES": "many"}, "ATTNSERVE_EDGE_PROCESSES: invalid literal for int"),
+        ({"ATTNSERVE_OPTIONAL_INPUTS": "mask"}, "optional_inputs: expected all, none or names among key_value,"),
+        ({"ATTNSERVE_OPTIONAL_INPUTS": "all,key"}, "optional_inputs: 'all' and 'none' stand alone"),
+        ({"ATTNSERVE_OPTIONAL_INPUTS": "key,key_lengths"}, "optional_inputs: key and value go together"),
+        ({"ATTNSERVE_KIND": "sdpa", "ATTNSERVE_OPTIONAL_INPUTS": "key_value"}, "got 'key_value'"),
+        (
+            {"ATTNSERVE_KDIM": "64", "ATTNSERVE_VDIM": "64", "ATTNSERVE_OPTIONAL_INPUTS": "none"},
+            "needs key_value or key and value in every request; keep one of them, got none",
+        ),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:

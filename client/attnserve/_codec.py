@@ -183,4 +183,5 @@ def decode_model(msg: pb.ModelMetadata) -> ModelInfo:
         max_query_len=msg.max_query_len,
         max_key_len=msg.max_key_len,
         ready=msg.ready,
+        inputs=tuple(msg.inputs),
     )

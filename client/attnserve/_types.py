@@ -83,3 +83,6 @@ class ModelInfo:
     max_query_len: int
     max_key_len: int
     ready: bool
+    # The inputs a request may carry (query, key_value, key, value, key_padding_mask, key_lengths; a model
+    # may refuse some); empty from a server older than this field.
+    inputs: tuple[str, ...] = ()

@@ -20,6 +20,20 @@ class ModelKind(StrEnum):
     SDPA = "sdpa"  # the bare operation on client-supplied Q, K, V
 
 
+# A request's inputs, as both protocols name them (edge/wire.py).
+INPUT_NAMES = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
+
+
+def optional_inputs(kind: ModelKind, kdim: int, vdim: int) -> tuple[str, ...]:
+    """The inputs a model may go without, as Triton's config marks them `optional`: the masks always;
+    key_value, key and value for MHA where key_value can stand for the pair (kdim == vdim). Whether a
+    request may omit all three (self attention) is ModelSpec.self_attention."""
+    masks = ("key_padding_mask", "key_lengths")
+    if kind is ModelKind.MHA and kdim == vdim:
+        return ("key_value", "key", "value", *masks)
+    return masks
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a request is validated against: a model's shape, dtype and limits."""
@@ -42,11 +56,26 @@ class ModelSpec:
     cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
     cpu_lanes: int = 1  # batches a CPU worker computes at once (compute/worker.py)
     cpu_pair_macs: int = 0  # with one CPU lane: pairing's threshold (batching.py, compute/worker.py)
+    # The optional inputs requests may carry (settings: optional_inputs); None: every one. The others
+    # are refused, and KServe's metadata and config do not list them.
+    optional_inputs: tuple[str, ...] | None = None
 
     @property
     def self_attention(self) -> bool:
         """Whether the query can serve as key and value (torch's rule: kdim == vdim == embed_dim)."""
         return self.kind is ModelKind.MHA and self.kdim == self.embed_dim and self.vdim == self.embed_dim
+
+    def takes(self, name: str) -> bool:
+        """Whether requests may carry input `name` (one of INPUT_NAMES)."""
+        kept = self.optional_inputs
+        return kept is None or name in kept or name not in optional_inputs(self.kind, self.kdim, self.vdim)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Every input requests may carry, in INPUT_NAMES' order (key_value only where it can stand for
+        key and value: MHA with kdim == vdim)."""
+        pair = self.kind is ModelKind.MHA and self.kdim == self.vdim
+        return tuple(n for n in INPUT_NAMES if (pair or n != "key_value") and self.takes(n))
 
     @property
     def output_dim(self) -> int:

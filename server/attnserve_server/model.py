@@ -19,7 +19,7 @@ from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSp
 from attnserve_server.errors import ModelNotReady, ServingError, ShuttingDown
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.runtime.idle_spin import QUIET_STREAK
-from attnserve_server.settings import ModelSettings
+from attnserve_server.settings import ModelSettings, optional_inputs_kept
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def spec_from_settings(
         cpu_matmul=settings.cpu_matmul,
         cpu_lanes=settings.cpu_lanes,
         cpu_pair_macs=_pair_macs(settings),
+        optional_inputs=optional_inputs_kept(settings),
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attnserve_server.compute.threads import ALONE_FLOOR_MACS, MIN_SPEEDUP, SMALL_BATCH_MACS
-from attnserve_server.domain import ModelKind
+from attnserve_server.domain import ModelKind, optional_inputs
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
 from attnserve_server.runtime.eventloop import CHOICES as EVENT_LOOPS
@@ -104,6 +104,11 @@ class ModelSettings:
     # no other computes, splits in two that compute side by side, each on half the threads (batching.py,
     # pairing). 0: never.
     cpu_pair_macs: int = CPU_PAIR_MACS
+    # The optional inputs requests may carry: all, none, or names among key_value, key, value,
+    # key_padding_mask and key_lengths (those the kind may go without: domain.optional_inputs). The others
+    # are refused and left out of KServe's metadata and config (perf_analyzer's --shared-memory takes
+    # only a model without optional inputs).
+    optional_inputs: tuple[str, ...] = ("all",)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     weights: WeightsSettings = field(default_factory=WeightsSettings)
 
@@ -346,6 +351,13 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "with one CPU lane: a batch of at least twice this many multiply-adds, taken while no other computes,"
         f" splits into two that compute side by side on half the threads each; 0: never (default {CPU_PAIR_MACS})",
+    ),
+    Option(
+        "optional-inputs",
+        "model",
+        str,
+        "the optional inputs requests may carry: all, none, or a comma list of key_value, key, value,"
+        " key_padding_mask, key_lengths; the others are refused and not listed in KServe metadata (default all)",
     ),
     Option("max-query-len", "model", int, "longest query sequence L accepted (default 4096)"),
     Option("max-key-len", "model", int, "longest key sequence S accepted (default 4096)"),
@@ -659,6 +671,7 @@ def validate(settings: ServerSettings) -> None:
             _check(m.weights.format == "random", f"{at}.weights: the bare operation has no weights to load")
         for dev in m.device:
             _check(bool(_DEVICE_RE.match(dev)), f"{at}.device: expected auto, cpu, cuda or cuda:N, got {dev!r}")
+        _check_optional_inputs(m, at)
         _check(m.max_query_len > 0 and m.max_key_len > 0, f"{at}: max_query_len and max_key_len must be positive")
         b = m.batching
         _check(b.max_batch_size > 0, f"{at}.batching.max_batch_size: expected > 0, got {b.max_batch_size}")
@@ -684,3 +697,37 @@ def validate(settings: ServerSettings) -> None:
         )
         _check(w.format == "random" or bool(w.path), f"{at}.weights.path: format {w.format!r} needs a file")
         _check(w.format != "bert" or bool(w.prefix), f"{at}.weights.prefix: format 'bert' needs a key prefix")
+
+
+def optional_inputs_kept(m: ModelSettings) -> tuple[str, ...] | None:
+    """The model's optional_inputs as names (None: all)."""
+    if m.optional_inputs == ("all",):
+        return None
+    return () if m.optional_inputs == ("none",) else m.optional_inputs
+
+
+def _check_optional_inputs(m: ModelSettings, at: str) -> None:
+    e = m.embed_dim
+    kdim, vdim = m.kdim or e, m.vdim or e
+    allowed = optional_inputs(ModelKind(m.kind), kdim, vdim)
+    names = m.optional_inputs
+    where = f"{at}.optional_inputs"
+    if len(names) > 1:
+        _check("all" not in names and "none" not in names, f"{where}: 'all' and 'none' stand alone, got {names}")
+    for name in names:
+        _check(
+            name in ("all", "none", *allowed),
+            f"{where}: expected all, none or names among {', '.join(allowed)} (the inputs model {m.name!r}"
+            f" may go without), got {name!r}",
+        )
+    kept = optional_inputs_kept(m)
+    if kept is None:
+        return
+    _check(("key" in kept) == ("value" in kept), f"{where}: key and value go together, got {', '.join(kept)}")
+    if "key_value" in allowed and not (kdim == vdim == e and m.kind == "mha"):
+        # No self attention: every request needs key_value or key and value.
+        _check(
+            "key_value" in kept or "key" in kept,
+            f"{where}: model {m.name!r} (kdim {kdim}, vdim {vdim}, embed_dim {e}) needs key_value or key and"
+            f" value in every request; keep one of them, got {', '.join(kept) or 'none'}",
+        )

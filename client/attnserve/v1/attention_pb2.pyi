@@ -119,7 +119,7 @@ class BatchingLimits(_message.Message):
     def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
 
 class ModelMetadata(_message.Message):
-    __slots__ = ("name", "kind", "embed_dim", "num_heads", "kdim", "vdim", "bias", "dtype", "devices", "batching", "max_query_len", "max_key_len", "output_dim", "ready")
+    __slots__ = ("name", "kind", "embed_dim", "num_heads", "kdim", "vdim", "bias", "dtype", "devices", "batching", "max_query_len", "max_key_len", "output_dim", "ready", "inputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EMBED_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class ModelMetadata(_message.Message):
     MAX_KEY_LEN_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIM_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: ModelKind
     embed_dim: int
@@ -148,7 +149,8 @@ class ModelMetadata(_message.Message):
     max_key_len: int
     output_dim: int
     ready: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., kdim: _Optional[int] = ..., vdim: _Optional[int] = ..., bias: bool = ..., dtype: _Optional[_Union[DataType, str]] = ..., devices: _Optional[_Iterable[str]] = ..., batching: _Optional[_Union[BatchingLimits, _Mapping]] = ..., max_query_len: _Optional[int] = ..., max_key_len: _Optional[int] = ..., output_dim: _Optional[int] = ..., ready: bool = ...) -> None: ...
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., kdim: _Optional[int] = ..., vdim: _Optional[int] = ..., bias: bool = ..., dtype: _Optional[_Union[DataType, str]] = ..., devices: _Optional[_Iterable[str]] = ..., batching: _Optional[_Union[BatchingLimits, _Mapping]] = ..., max_query_len: _Optional[int] = ..., max_key_len: _Optional[int] = ..., output_dim: _Optional[int] = ..., ready: bool = ..., inputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

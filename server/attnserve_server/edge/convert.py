@@ -87,4 +87,5 @@ def model_metadata(spec: ModelSpec, settings_batching, devices: list[str], ready
         max_key_len=spec.max_key_len,
         output_dim=spec.output_dim,
         ready=ready,
+        inputs=spec.inputs,
     )

@@ -415,11 +415,12 @@ def _inputs(spec: ModelSpec) -> list[_Tensor]:
             _Tensor("key", dt, (-1, spec.kdim), optional=pair_optional),
             _Tensor("value", dt, (-1, spec.vdim), optional=pair_optional),
         ]
-    return [
+    every = [
         *seq,
         _Tensor("key_padding_mask", "BOOL", (-1,), optional=True),
         _Tensor("key_lengths", "INT64", (1,), optional=True, reshape=()),
     ]
+    return [t for t in every if spec.takes(t.name)]
 
 
 def _outputs(spec: ModelSpec) -> list[_Tensor]:

@@ -18,6 +18,7 @@ import numpy as np
 from attnserve_server import dtypes
 from attnserve_server.domain import (
     ANSWER_OVERHEAD_BYTES,
+    INPUT_NAMES,
     AttentionRequest,
     HostTensor,
     ModelKind,
@@ -28,7 +29,6 @@ from attnserve_server.domain import (
 )
 from attnserve_server.errors import InvalidArgument, clip, shape_text
 
-INPUT_NAMES = ("query", "key_value", "key", "value", "key_padding_mask", "key_lengths")
 _WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
 
 
@@ -143,6 +143,11 @@ def build_request(
     if unknown:
         inputs = ", ".join(INPUT_NAMES)
         raise InvalidArgument(f"{clip(unknown[0], quote=False)}: not an input of model {spec.name!r}; inputs: {inputs}")
+    if spec.optional_inputs is not None:
+        for name in tensors:
+            if not spec.takes(name):
+                kept = ", ".join(spec.optional_inputs) or "none"
+                raise InvalidArgument(f"{name}: model {spec.name!r} does not take it (its optional_inputs: {kept})")
     if "query" not in tensors:
         raise InvalidArgument("query: required ([L, E] or [B, L, E])")
     if average_weights and not need_weights:
