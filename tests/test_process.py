@@ -533,6 +533,26 @@ def test_perf_analyzer_drives_the_kserve_api_and_reads_server_statistics(tmp_pat
     assert "Server: " in r.stderr and "Successful request count" in r.stderr  # perf_analyzer read the statistics
 
 
+@pytest.mark.skipif(
+    not PERF_ANALYZER.exists(), reason="perf_analyzer not set up (scripts/perf_analyzer.sh --setup; .ci/run does it)"
+)
+def test_perf_analyzer_sends_through_system_shared_memory(tmp_path: Path) -> None:
+    """perf_analyzer --shared-memory system: the server bench starts takes no optional input (perf_analyzer
+    refuses a model with any), and perf_analyzer reads a raw_output_contents entry for each output, even one
+    in shared memory (without it, it crashed on the first answer)."""
+    out = tmp_path / "pa.json"
+    r = run_cli(
+        *("bench", "--perf-analyzer", str(PERF_ANALYZER), "--shared-memory", "--pa-modes", "async"),
+        *("--concurrency", "1,3", "--duration-s", "0.5", "--seq-len", "8,3", "--embed-dim", "64", "--num-heads", "4"),
+        *("--pa-stability", "1000", "--no-inprocess", "--json", str(out)),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--shared-memory system --output-shared-memory-size 2048" in r.stderr  # 8 x 64 FP32
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["concurrency"] for row in rows] == [1, 3]
+    assert all(row["requests"] > 0 and row["errors"] == 0 for row in rows)
+
+
 STUCK_SERVER = """
 import asyncio, logging, os, sys, threading
 import numpy as np

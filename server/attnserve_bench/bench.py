@@ -69,7 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send over the KServe v2 API with every tensor in Triton's system shared memory: each client process "
         "registers one region for its inputs and its slots' outputs, and the messages carry none of their bytes "
-        "(the server needs --allow-client-shm, which the servers bench starts get; not with --perf-analyzer)",
+        "(the server needs --allow-client-shm, which the servers bench starts get). With --perf-analyzer, its "
+        "--shared-memory system, which takes only a model without optional inputs: the servers bench starts get "
+        "--optional-inputs none (MHA self attention or sdpa only, no --kv-len with mha)",
     )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process limit")
     p.add_argument(
@@ -561,6 +563,7 @@ def _start_server(args: argparse.Namespace, max_batch_size: str, edges: str) -> 
         *("--max-queue-size", "4096", "--edge-processes", edges),
         *(("--torch-threads", str(args.torch_threads)) if args.torch_threads else ()),
         *(("--allow-client-shm", "true") if args.shared_memory else ()),
+        *(("--optional-inputs", "none") if args.shared_memory and args.perf_analyzer else ()),
     ]
     server = spawn_serve(*flags)
     return server.proc, server.target
@@ -789,8 +792,9 @@ def _levels(
     from attnserve_bench import perf_analyzer
 
     data = perf_analyzer.input_data(inputs, info.dtype)
+    room = perf_analyzer.output_bytes(inputs, info.output_dim, info.dtype) if args.shared_memory else 0
     return [
-        lambda level=level, mode=mode: perf_analyzer.run_level(target, data, inputs, level, mode, args, label)
+        lambda level=level, mode=mode: perf_analyzer.run_level(target, data, inputs, level, mode, args, label, room)
         for mode in args.pa_modes.split(",")
         for level in levels
     ]
@@ -833,10 +837,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
     edge_counts = args.edge_processes.split(",")
-    if args.shared_memory and args.perf_analyzer:
+    if args.shared_memory and args.perf_analyzer and args.kind == "mha" and args.kv_len:
         print(
-            "attnserve bench: --shared-memory drives the load with the built-in client "
-            "(perf_analyzer refuses shared memory for models with optional inputs)",
+            "attnserve bench: --shared-memory with --perf-analyzer: perf_analyzer takes shared memory only for a "
+            "model without optional inputs, and cross attention's key_value is one; drop --kv-len",
             file=sys.stderr,
         )
         return 2

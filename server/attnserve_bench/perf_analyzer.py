@@ -13,6 +13,7 @@ import base64
 import csv
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -64,8 +65,22 @@ def _statistics(target: str, model: str) -> v2.ModelStatistics:
         return stub.ModelStatistics(v2.ModelStatisticsRequest(name=model), timeout=30).model_stats[0]
 
 
+def output_bytes(inputs: list[dict[str, Any]], output_dim: int, dtype: str) -> int:
+    """The largest output of the requests: what perf_analyzer's --output-shared-memory-size must hold."""
+    itemsize = 4 if dtype == "float32" else 2
+    return max(math.prod(request["query"].shape[:2]) for request in inputs) * output_dim * itemsize
+
+
 def command(
-    binary: str, target: str, model: str, data_path: str, csv_path: str, concurrency: int, mode: str, args
+    binary: str,
+    target: str,
+    model: str,
+    data_path: str,
+    csv_path: str,
+    concurrency: int,
+    mode: str,
+    args,
+    output_bytes: int = 0,
 ) -> list[str]:
     cmd = [
         binary,
@@ -84,6 +99,8 @@ def command(
         raise ValueError(f"--pa-modes: expected sync, async or streaming, got {mode!r}")
     if args.causal:
         cmd += ["--request-parameter", "causal:true:bool"]
+    if args.shared_memory:  # every input and output in shared memory: perf_analyzer sizes the outputs' room
+        cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(output_bytes)]
     return cmd
 
 
@@ -95,6 +112,7 @@ def run_level(
     mode: str,
     args: argparse.Namespace,
     label: str,
+    output_bytes: int = 0,
 ):
 
     model = inputs[0]["model"]
@@ -103,7 +121,7 @@ def run_level(
         with open(data_path, "w") as f:
             json.dump(data, f)
         before = _statistics(target, model)
-        cmd = command(args.perf_analyzer, target, model, data_path, csv_path, concurrency, mode, args)
+        cmd = command(args.perf_analyzer, target, model, data_path, csv_path, concurrency, mode, args, output_bytes)
         print(f"  $ {' '.join(cmd)}", file=sys.stderr)
         done = subprocess.run(cmd, env=_env(args.perf_analyzer), capture_output=True, text=True)
         sys.stderr.write(done.stdout)
