@@ -114,10 +114,31 @@ def test_every_message_and_field_matches_tritons_numbering() -> None:
 
 def test_an_unimplemented_triton_method_is_unimplemented(server: Running) -> None:
     with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as err:
-        triton_grpc.GRPCInferenceServiceStub(channel).CudaSharedMemoryStatus(
-            triton.CudaSharedMemoryStatusRequest(), timeout=10
+        triton_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+            triton.RepositoryModelLoadRequest(model_name="default"), timeout=10
         )
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_cuda_shared_memory_holds_no_region_and_refuses_registration(
+    server: Running, client: tc.InferenceServerClient
+) -> None:
+    """As Triton answers when it holds no CUDA region: perf_analyzer unregisters every region of both
+    kinds when it stops, and printed a failure for each run while this answered UNIMPLEMENTED."""
+    assert not client.get_cuda_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()  # every region: none, nothing to do
+    client.unregister_cuda_shared_memory("absent")
+    with pytest.raises(InferenceServerException) as err:
+        client.get_cuda_shared_memory_status("absent")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert "no CUDA shared memory region named 'absent'" in err.value.message()
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as rpc:
+        triton_grpc.GRPCInferenceServiceStub(channel).CudaSharedMemoryRegister(
+            triton.CudaSharedMemoryRegisterRequest(name="gpu", raw_handle=b"\0" * 64, byte_size=1024), timeout=10
+        )
+    assert rpc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "CUDA shared memory is not served" in rpc.value.details()
+    assert "cuda_shared_memory" not in client.get_server_metadata().extensions
 
 
 def test_reflection_lists_both_apis(server: Running) -> None:

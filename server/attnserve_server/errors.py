@@ -40,6 +40,12 @@ class FailedPrecondition(ServingError):
     status = "FAILED_PRECONDITION"
 
 
+class Unimplemented(ServingError):
+    """A method or feature of a protocol that this server does not serve."""
+
+    status = "UNIMPLEMENTED"
+
+
 class QueueFull(ServingError):
     status = "RESOURCE_EXHAUSTED"
 

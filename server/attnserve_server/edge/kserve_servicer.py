@@ -24,6 +24,7 @@ from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Received
 from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.edge.shared_memory import OFF, SharedMemoryRegistry
+from attnserve_server.errors import NotFound, Unimplemented, clip
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -123,6 +124,30 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     ) -> v2.SystemSharedMemoryUnregisterResponse:
         await self._memory.unregister(request.name)
         return v2.SystemSharedMemoryUnregisterResponse()
+
+    # -- CUDA shared memory: not served (no region is ever held) ---------------------------------
+
+    @unary_errors
+    async def CudaSharedMemoryStatus(
+        self, request: v2.CudaSharedMemoryStatusRequest, context
+    ) -> v2.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise NotFound(f"name: no CUDA shared memory region named {clip(request.name)} is registered")
+        return v2.CudaSharedMemoryStatusResponse()
+
+    @unary_errors
+    async def CudaSharedMemoryRegister(
+        self, request: v2.CudaSharedMemoryRegisterRequest, context
+    ) -> v2.CudaSharedMemoryRegisterResponse:
+        raise Unimplemented(
+            "CUDA shared memory is not served; system shared memory is, with the server's --allow-client-shm"
+        )
+
+    @unary_errors
+    async def CudaSharedMemoryUnregister(
+        self, request: v2.CudaSharedMemoryUnregisterRequest, context
+    ) -> v2.CudaSharedMemoryUnregisterResponse:
+        return v2.CudaSharedMemoryUnregisterResponse()  # none is held: nothing to do, by name or all
 
     # -- inference -------------------------------------------------------------------------
 
