@@ -4,8 +4,9 @@
 #   here:   scripts/fetch_gpu_wheels.sh          (the wheels the device image lacks, into .whl/)
 #   device: run carry [".whl"], timeout_s 500, command "bash scripts/gpu_check.sh"
 #   a rerun: command "STEPS=parity,wl bash scripts/gpu_check.sh" repeats only the steps named (of
-#   tests, parity, w1, graphs, wl; the imports always run first), so that it fits what is left of a
-#   session's device time after a start and a whole run (a whole run is ~7.5 of its 15 minutes).
+#   tests, parity, w1, graphs, wl, and wlshm, which the default leaves out; the imports always run
+#   first), so that it fits what is left of a session's device time after a start and a whole run (a
+#   whole run is ~7.5 of its 15 minutes).
 # Writes its logs and JSON, packed, to $OUT/gpu-check.tgz ($OUT: the device tool's folder, else
 # /tmp/attnserve-gpu). Exit 0 only if every step passed; each step has its own time limit, and
 # together they stay under 7.5 minutes (445 s).
@@ -13,8 +14,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-tests,parity,w1,graphs,wl}
 for step in ${STEPS//,/ }; do
-  case $step in tests | parity | w1 | graphs | wl) ;; *)
-    echo "gpu_check: unknown step '$step' in STEPS (expected a comma list of tests, parity, w1, graphs, wl)" >&2
+  case $step in tests | parity | w1 | graphs | wl | wlshm) ;; *)
+    echo "gpu_check: unknown step '$step' in STEPS (expected a comma list of tests, parity, w1, graphs, wl, wlshm)" >&2
     exit 2
     ;;
   esac
@@ -80,4 +81,8 @@ want graphs && ATTNSERVE_CUDA_GRAPHS=true bench w1-bf16-graphs 45 "${W1[@]}" --e
 # WL at concurrency 32 only: with 128 too the H200 run (2026-12-04) ran out of its 110 s before the
 # in-process limit; at 32 alone gpu_profile.sh's same sweep took about a minute.
 want wl && bench wl-bf16 110 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32 --inprocess-s 1 --edge-processes 1,2,4,8
+# Not in the default STEPS (it would pass ~7 minutes): WL with its 2 MiB a request through system shared
+# memory instead of messages (the forty-second pass found WL bound by the edges' gRPC), default edges.
+want wlshm && bench wl-bf16-shm 45 --embed-dim 1024 --num-heads 16 --seq-len 256 --concurrency 32 --inprocess-s 1 \
+  --shared-memory --edge-processes auto
 exit $status
