@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnserve_server.errors import ConfigError
-from attnserve_server.settings import OPTIONS, ServerSettings, load_settings, misspelt_variables
+from attnserve_server.settings import OPTIONS, ServerSettings, load_settings, misspelt_variables, optional_inputs_kept
 
 YAML = """
 port: 6000
@@ -103,6 +103,16 @@ def test_weights_flag_implies_torch_format() -> None:
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_settings(env=env)
+
+
+def test_a_list_setting_may_be_empty_where_that_means_something(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("models:\n  - name: a\n    optional_inputs: []\n  - name: b\n    optional_inputs: none\n")
+    a, b = load_settings(str(f)).models
+    assert a.optional_inputs == () and optional_inputs_kept(a) == optional_inputs_kept(b) == ()
+    f.write_text("models:\n  - name: a\n    device: []\n")
+    with pytest.raises(ConfigError, match=r"models\[0\] \('a'\)\.device: expected at least one device, got none"):
+        load_settings(str(f))
 
 
 def test_a_misspelt_variable_is_named_with_the_closest_real_one() -> None:

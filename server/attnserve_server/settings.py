@@ -456,9 +456,9 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         return _build(hint, value, where)
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, list | tuple) or not items:
-            raise ConfigError(f"{where}: expected a name or a non-empty list, got {value!r}")
-        return tuple(str(item).strip() for item in items)
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{where}: expected a name or a list, got {value!r}")
+        return tuple(str(item).strip() for item in items)  # (empty: validate() says where that is wrong)
     try:
         if hint is bool:
             return value if isinstance(value, bool) else parse_bool(str(value))
@@ -669,6 +669,7 @@ def validate(settings: ServerSettings) -> None:
             vdim = m.vdim or m.embed_dim
             _check(vdim % m.num_heads == 0, f"{at}.vdim: {vdim} is not divisible by num_heads {m.num_heads}")
             _check(m.weights.format == "random", f"{at}.weights: the bare operation has no weights to load")
+        _check(bool(m.device), f"{at}.device: expected at least one device, got none")
         for dev in m.device:
             _check(bool(_DEVICE_RE.match(dev)), f"{at}.device: expected auto, cpu, cuda or cuda:N, got {dev!r}")
         _check_optional_inputs(m, at)
