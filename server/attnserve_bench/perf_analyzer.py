@@ -26,6 +26,7 @@ import numpy as np
 
 from attnserve._codec import float32_to_bfloat16_bits
 from attnserve_bench.results import Row
+from attnserve_server import dtypes
 from attnserve_server.protocol import open_inference_pb2 as v2
 from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
 
@@ -67,7 +68,7 @@ def _statistics(target: str, model: str) -> v2.ModelStatistics:
 
 def output_bytes(inputs: list[dict[str, Any]], output_dim: int, dtype: str) -> int:
     """The largest output of the requests: what perf_analyzer's --output-shared-memory-size must hold."""
-    itemsize = 4 if dtype == "float32" else 2
+    itemsize = dtypes.FLOATS[dtype].itemsize
     return max(math.prod(request["query"].shape[:2]) for request in inputs) * output_dim * itemsize
 
 

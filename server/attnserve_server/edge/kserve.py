@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from attnserve_server import dtypes
-from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec, answer_bytes, weight_heads
+from attnserve_server.domain import (
+    Answer,
+    AttentionRequest,
+    ModelSpec,
+    answer_bytes,
+    optional_inputs,
+    weight_heads,
+)
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
 from attnserve_server.edge.shared_memory import OFF, Region, SharedMemoryRegistry
@@ -401,26 +408,18 @@ class _Tensor:
 
 
 def _inputs(spec: ModelSpec) -> list[_Tensor]:
+    """The inputs the model takes (spec.inputs), marked optional as domain.optional_inputs says."""
     dt = spec.dtype.name
-    seq = [_Tensor("query", dt, (-1, spec.embed_dim))]
-    if spec.kind is ModelKind.SDPA:
-        seq += [_Tensor("key", dt, (-1, spec.kdim)), _Tensor("value", dt, (-1, spec.vdim))]
-    else:
-        # key and value are required only when nothing can stand in for them: key_value needs
-        # kdim == vdim (and self attention, which needs neither, kdim == vdim == embed_dim).
-        pair_optional = spec.kdim == spec.vdim
-        if pair_optional:
-            seq.append(_Tensor("key_value", dt, (-1, spec.kdim), optional=True))
-        seq += [
-            _Tensor("key", dt, (-1, spec.kdim), optional=pair_optional),
-            _Tensor("value", dt, (-1, spec.vdim), optional=pair_optional),
-        ]
-    every = [
-        *seq,
-        _Tensor("key_padding_mask", "BOOL", (-1,), optional=True),
-        _Tensor("key_lengths", "INT64", (1,), optional=True, reshape=()),
-    ]
-    return [t for t in every if spec.takes(t.name)]
+    optional = optional_inputs(spec.kind, spec.kdim, spec.vdim)
+    tensors = {
+        "query": _Tensor("query", dt, (-1, spec.embed_dim)),
+        "key_value": _Tensor("key_value", dt, (-1, spec.kdim)),
+        "key": _Tensor("key", dt, (-1, spec.kdim)),
+        "value": _Tensor("value", dt, (-1, spec.vdim)),
+        "key_padding_mask": _Tensor("key_padding_mask", "BOOL", (-1,)),
+        "key_lengths": _Tensor("key_lengths", "INT64", (1,), reshape=()),
+    }
+    return [replace(tensors[name], optional=name in optional) for name in spec.inputs]
 
 
 def _outputs(spec: ModelSpec) -> list[_Tensor]:
