@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
+import subprocess
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from attnserve_bench.process import spawn_serve
 
 from attnserve import Client
 from attnserve_server.runtime.cpu_layout import QuietLayout, supported, why_off
@@ -263,6 +267,31 @@ def test_a_quiet_server_pins_its_threads_and_a_busy_one_frees_them(default_serve
             r.call(r.server.stop(2.0))  # stopping frees every thread
             assert not layout.applied and layout.off
             assert _affinity(loop_tid) == allowed
+
+
+@needs_two_cpus
+@pytest.mark.slow
+@pytest.mark.parametrize("torch_threads", ["2", None], ids=["torch-threads-2", "automatic"])
+def test_a_server_alone_in_its_process_finds_its_team(torch_threads: str | None) -> None:
+    # In a process of its own: torch keeps one process-wide pthreadpool, made by the first thread that sets a
+    # thread count, and named after it. Here no other server made it first, so the worker's own set-up does,
+    # and the layout must not take that idle thread for one of the worker's OpenMP team.
+    flags = ["--edge-processes", "1", "--min-parallel-speedup", "0", "--solo-macs", "0"]
+    flags += ["--torch-threads", torch_threads] if torch_threads else []
+    server = spawn_serve(*flags, stderr=subprocess.PIPE)
+    try:
+        x = np.random.default_rng(0).random((64, 256), dtype=np.float32)
+        with Client(server.target) as client:
+            for _ in range(QUIET_STREAK + 2):
+                client.attend(x)
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            metrics = answer.read().decode()
+        assert re.search(r"^attnserve_quiet_layout 1\.0$", metrics, re.M), metrics
+    finally:
+        server.proc.kill()
+        _, log = server.proc.communicate(timeout=30)
+    assert "quiet layout off" not in log, log
 
 
 async def _loop_thread_id() -> int:

@@ -179,16 +179,18 @@ class DeviceWorker:
         """Each executor thread takes a lane of its own for good, and computes without autograd."""
         lane = self._local.lane = self._free_lanes.pop()
         name_os_thread(self.os_thread_name)  # its OpenMP threads too
+        self._local.lane_thread = True
+        torch.set_grad_enabled(False)  # thread-local: see `run`
+        # Set a count now, even the one the thread would take anyway: torch's one pthreadpool per process
+        # (XNNPACK's, idle here) is made by the first thread that sets a count, with that many threads, named
+        # after it. Made here, before the look below, it is not taken for one of this lane's OpenMP team.
+        torch.set_num_threads(self._threads.count or torch.get_num_threads())
         if lane is self._lanes[0]:
             self.thread_ids.insert(0, threading.get_native_id())
             if not self._cuda:  # the first lane's OpenMP pool not yet started (a second runner's never starts)
                 self._named_at_start = named_threads(self.os_thread_name)
         else:
             self.thread_ids.append(threading.get_native_id())
-        self._local.lane_thread = True
-        torch.set_grad_enabled(False)  # thread-local: see `run`
-        if self._threads.count:
-            torch.set_num_threads(self._threads.count)
 
     def _set_cpu_threads(self, macs: int, requests: int) -> tuple[int, ThreadChooser | None]:
         """Sets this thread's intra-op threads for a CPU batch (compute/threads.py says why). Returns the
