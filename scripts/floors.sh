@@ -37,7 +37,7 @@ for requirement in [*project["dependencies"], *extras["server"], *extras["test"]
     print(f"{name}{extra or ''}=={floor}" + (f";{marker}" if marker else ""))
 PY
 if [ -n "${ATTNSERVE_TORCH:-}" ]; then
-  sed -i '/^torch==/d' .cache/floors.txt
+  sed -i -E '/^torch([=<>~! ]|$)/d' .cache/floors.txt
   echo "$ATTNSERVE_TORCH" >>.cache/floors.txt
 fi
 want=$(sha256sum <.cache/floors.txt | cut -c1-16)
@@ -47,7 +47,7 @@ if [ "$(cat "$VENV/.floors" 2>/dev/null)" != "$want" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first, alone: the floors below then resolve against it.
-  "$VENV/bin/python" -m pip install -q "$(grep '^torch==' .cache/floors.txt)"
+  "$VENV/bin/python" -m pip install -q "$(grep -E '^torch([=<>~! ]|$)' .cache/floors.txt)"
   "$VENV/bin/python" -m pip install -q -r .cache/floors.txt
   echo "$want" >"$VENV/.floors"
 fi
