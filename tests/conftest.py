@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -147,6 +150,23 @@ def running(server_settings: ServerSettings, **kwargs: Any) -> Iterator[Running]
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def run_cli(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
+    """`python -m attnserve_server ARGS`, its output captured. One that outlives `timeout` (below pytest's
+    120 s, so that this reports it) gets SIGABRT with its process group: it and the client processes it
+    spawned (faulthandler is on in all of them) print every thread's stack, and the test fails with them."""
+    command = [sys.executable, "-X", "faulthandler", "-m", "attnserve_server", *args]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)
+            out, err = proc.communicate(timeout=15)
+            pytest.fail(f"{' '.join(args[:1])} ran past {timeout:.0f} s; its stacks:\n{err[-12000:]}\n{out[-2000:]}")
+        return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from attnserve import AttnServeError, Client
 from attnserve_server.runtime import openmp
 from attnserve_server.solo import STREAK
 
-from conftest import TEST_EDGES, TEST_LOOP, Running
+from conftest import TEST_EDGES, TEST_LOOP, Running, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -271,12 +271,6 @@ def test_the_client_imports_and_works_with_torch_blocked(default_server: Running
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok (3, 32) float32"
-
-
-def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "attnserve_server", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_health_exits_0_only_when_serving(default_server: Running) -> None:

@@ -18,7 +18,7 @@ import trustme
 from attnserve import AttnServeError, Client
 from attnserve_server.security import token_hash
 
-from conftest import model, running, settings
+from conftest import model, run_cli, running, settings
 
 Q = np.ones((3, 32), np.float32)
 
@@ -221,11 +221,10 @@ def test_bench_measures_a_server_behind_tls_and_a_token(pki: Pki, tmp_path: Path
     token = tmp_path / "token"
     token.write_text("s3cret")
     with running(tls_settings(pki, auth_tokens=f"{token_hash('s3cret')} *")) as handle:
-        r = subprocess.run(
-            [sys.executable, "-m", "attnserve_server", "bench", "--target", handle.target, "--tls-ca", str(pki.ca_pem),
-             "--token-file", str(token), "--concurrency", "2", "--duration-s", "0.5", "--warmup-s", "0.2",
-             "--processes", "1", "--inprocess-s", "0.2", "--seq-len", "8"],
-            capture_output=True, text=True, timeout=180,
+        r = run_cli(
+            "bench", "--target", handle.target, "--tls-ca", str(pki.ca_pem), "--token-file", str(token),
+            "--concurrency", "2", "--duration-s", "0.5", "--warmup-s", "0.2", "--processes", "1",
+            "--inprocess-s", "0.2", "--seq-len", "8",
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.strip().splitlines()

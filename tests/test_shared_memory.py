@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2 as triton
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import Running, model, running, settings
+from conftest import Running, model, run_cli, running, settings
 
 E, H, L = 32, 4, 8
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory in /dev/shm")
@@ -319,11 +319,9 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     the regions are unregistered and their objects removed afterwards."""
     import json
     import subprocess
-    import sys
 
     def bench(*flags: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "attnserve_server", "bench", "--shared-memory", *flags]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return run_cli("bench", "--shared-memory", *flags)
 
     def measured(model_name: str, *flags: str) -> dict:
         out = tmp_path / f"{model_name}.json"
