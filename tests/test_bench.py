@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from attnserve_bench.bench import StartLine, Window, closed_loop
+from attnserve_bench.bench import StartLine, Window, _reap, closed_loop
 from attnserve_bench.results import Row, medians
 
 
@@ -170,3 +170,15 @@ def test_a_client_whose_start_never_comes_gives_up_instead_of_hanging() -> None:
     line = StartLine(mp.get_context("spawn"))
     with pytest.raises(RuntimeError, match="no start within"):
         line.ready_and_wait(timeout_s=0.05)
+
+
+def test_a_client_stuck_after_its_results_is_killed_and_the_measurement_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ctx = mp.get_context("spawn")
+    done, stuck = ctx.Process(target=time.sleep, args=(0,)), ctx.Process(target=time.sleep, args=(300,))
+    for p in (done, stuck):
+        p.start()
+    _reap([done, stuck], grace_s=0.5)
+    assert (done.exitcode, stuck.exitcode) == (0, -9)
+    assert f"client process {stuck.pid} had not exited 0.5 s after its results: killed" in capsys.readouterr().err

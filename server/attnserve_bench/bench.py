@@ -133,6 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 FLOOR = "grpc floor (echo)"
 READY_TIMEOUT_S = 120.0  # for the spawned client processes to import the client and connect
+EXIT_GRACE_S = 20.0  # for a client process to exit once it has put its results
 
 
 # -- client processes -----------------------------------------------------------------------
@@ -202,7 +203,10 @@ def _client_process(
             def measured() -> None:
                 progress[slot] += 1
 
-            await channel.channel_ready()
+            try:
+                await asyncio.wait_for(channel.channel_ready(), READY_TIMEOUT_S)
+            except TimeoutError:
+                raise RuntimeError(f"could not connect to {target} within {READY_TIMEOUT_S:.0f} s") from None
             start_at = await asyncio.to_thread(start.ready_and_wait)
             window = Window(start_at + warmup_s, start_at + warmup_s + duration_s)
             await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -312,6 +316,20 @@ class SharedMemoryLoad:
         finally:
             self._memory.close()
             self._memory.unlink()
+
+
+def _reap(workers: list[Any], grace_s: float) -> None:
+    """Joins client processes whose results are in; one still running `grace_s` later (stuck in its
+    interpreter's exit: gRPC's threads have hung a process's exit before) is killed, with a warning,
+    so that a measurement already made is never held hostage by a process that should be gone."""
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+        if w.is_alive():
+            print(f"warning: client process {w.pid} had not exited {grace_s:g} s after its results: killed",
+                  file=sys.stderr)  # fmt: skip
+            w.kill()
+            w.join()
 
 
 class StartLine:
@@ -528,8 +546,7 @@ def _run_level(
                 bar.update(sum(progress) - bar.n)
                 if not any(w.is_alive() for w in workers) and results.empty():
                     raise RuntimeError("a client process died; see its traceback above") from None
-    for w in workers:
-        w.join()
+    _reap(workers, EXIT_GRACE_S)
     lat = np.array([x for g in gathered for x in g[0]])
     batches = [x for g in gathered for x in g[1]]
     errors = [x for g in gathered for x in g[2]]
