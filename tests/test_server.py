@@ -735,3 +735,27 @@ def test_float16_on_a_cpu_without_float16_instructions_logs_a_warning(caplog, mo
         with caplog.at_level(logging.WARNING, logger="attnserve_server.model"), running(half):
             pass
         assert any(warning in r.getMessage() for r in caplog.records) == warned
+
+
+def test_bfloat16_on_an_x86_cpu_without_bfloat16_kernels_logs_a_warning(caplog, monkeypatch) -> None:
+    from attnserve_server import model as served
+    from attnserve_server.compute.devices import bfloat16_is_slow
+
+    zen2 = frozenset({"sse2", "avx", "avx2", "fma"})  # AMD EPYC Zen 2: AVX2 only
+    assert bfloat16_is_slow(zen2)
+    assert not bfloat16_is_slow(zen2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert not bfloat16_is_slow(zen2 | {"avx_ne_convert"})
+    assert not bfloat16_is_slow(frozenset({"fp", "asimd", "bf16"}))  # not x86: not this rule's to judge
+
+    warning = "bfloat16 on a CPU with neither AVX-512"
+    for dtype, flags, warned in (
+        ("bfloat16", zen2, True),
+        ("float32", zen2, False),
+        ("bfloat16", zen2 | {"avx_ne_convert"}, False),
+    ):
+        monkeypatch.setattr(served, "cpu_flags", lambda flags=flags: flags)
+        caplog.clear()
+        served_settings = settings(model(embed_dim=E, num_heads=4, dtype=dtype, device=("cpu",)))
+        with caplog.at_level(logging.WARNING, logger="attnserve_server.model"), running(served_settings):
+            pass
+        assert any(warning in r.getMessage() for r in caplog.records) == warned, (dtype, flags)

@@ -11,7 +11,13 @@ import torch
 
 from attnserve_server import dtypes
 from attnserve_server.batching import BatchDone, Batcher, BatchLimits
-from attnserve_server.compute.devices import FLOAT16_FLAGS, cpu_flags, float16_is_slow, resolve_devices
+from attnserve_server.compute.devices import (
+    FLOAT16_FLAGS,
+    bfloat16_is_slow,
+    cpu_flags,
+    float16_is_slow,
+    resolve_devices,
+)
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.weights import Projections, load_projections
 from attnserve_server.compute.worker import DeviceWorker
@@ -174,12 +180,24 @@ class ServedModel:
         )
         self.ready = True
         log.info("model %r ready on %s", self.spec.name, ", ".join(self.devices))
-        if self.spec.dtype.setting == "float16" and "cpu" in self.devices and float16_is_slow(cpu_flags()):
+        if "cpu" in self.devices:
+            self._warn_if_slow_on_this_cpu(cpu_flags())
+
+    def _warn_if_slow_on_this_cpu(self, flags: frozenset[str]) -> None:
+        """A reduced precision that this CPU has no matrix kernels for is slower than float32, not faster."""
+        dtype = self.spec.dtype.setting
+        if dtype == "float16" and float16_is_slow(flags):
             log.warning(
                 "model %r: float16 on a CPU without float16 matrix instructions (%s) is slow in torch, "
                 "~10x bfloat16 (README: Devices); bfloat16 or float32 serve faster here",
                 self.spec.name,
                 ", ".join(sorted(FLOAT16_FLAGS)),
+            )
+        elif dtype == "bfloat16" and bfloat16_is_slow(flags):
+            log.warning(
+                "model %r: bfloat16 on a CPU with neither AVX-512 (avx512bw, avx512vl, avx512dq) nor avx_ne_convert "
+                "is slow in torch, 3.7-6.3x float32's time (README: Devices); float32 serves faster here",
+                self.spec.name,
             )
 
     def computing_s(self) -> tuple[str, float]:

@@ -39,6 +39,9 @@ def resolve_devices(names: tuple[str, ...]) -> list[torch.device]:
 
 # CPU flags with which torch's CPU kernels (oneDNN) multiply float16 matrices natively.
 FLOAT16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
+# On x86, oneDNN has bfloat16 kernels with any of these sets of flags (natively, or converting on AVX-512),
+# and none with only AVX2.
+BFLOAT16_FLAG_SETS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -57,3 +60,10 @@ def float16_is_slow(flags: frozenset[str]) -> bool:
     """Whether float16 on this CPU runs without matrix instructions of its own: in torch that is
     ~10x slower than bfloat16 (W1 in-process, AVX-512 BF16 without FP16: 545 against 5681 req/s)."""
     return not flags & FLOAT16_FLAGS
+
+
+def bfloat16_is_slow(flags: frozenset[str]) -> bool:
+    """Whether this is an x86 CPU on which oneDNN has no bfloat16 kernels (AVX2 only): torch's bfloat16
+    products then convert element by element. W1 in-process on an AMD EPYC Zen 2, one worker: 3.7x
+    float32's time a sequence at batch 1, 6.3x at batch 16 (BENCHMARKS.md, fifty-third pass)."""
+    return "sse2" in flags and not any(needed <= flags for needed in BFLOAT16_FLAG_SETS)

@@ -66,7 +66,8 @@ class Linear:
             reorder, pointwise = self._ops
             try:
                 packed = reorder(self.weight.detach().contiguous(), None)  # type: ignore[operator]
-                # One product proves the kernel runs here (float16 needs AVX512-FP16 or AVX-NE-CONVERT).
+                # One product proves the kernel runs here (float16 needs AVX512-FP16 or AVX-NE-CONVERT,
+                # bfloat16 AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has neither).
                 probe = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype)
                 pointwise(probe, packed, self.bias, "none", [], "")  # type: ignore[operator]
             except RuntimeError as exc:
