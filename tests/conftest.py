@@ -165,7 +165,7 @@ def run_cli(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGABRT)
             out, err = proc.communicate(timeout=15)
-            pytest.fail(f"{' '.join(args[:1])} ran past {timeout:.0f} s; its stacks:\n{err[-12000:]}\n{out[-2000:]}")
+            pytest.fail(f"{args[0]} ran past {timeout:.0f} s; its stacks:\n{err[-12000:]}\n{out[-2000:]}")
         return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
