@@ -6,8 +6,9 @@ A profile recorded with `--subprocesses` (the engine and its edge processes) nam
 process: "engine", "edge 0", "edge 1", ...
 
 Each sample is charged to one category. First by what the thread is blocked in, if anything: waiting
-to take the GIL back (after a torch call or a C call that released it; also a Cython callback, such as
-uvloop's or gRPC's, blocked on a condition as it enters Python), or idle (blocked in epoll, a lock or
+to take the GIL back (after a torch call or a C call that released it, or inside torch, which since 2.10
+takes it to count a reference to a tensor that Python owns; also a Cython callback, such as uvloop's or
+gRPC's, blocked on a condition as it enters Python), or idle (blocked in epoll, a lock or
 a condition: no work). Then a sample whose stack passes through the project's own code (or
 prometheus_client) goes to the deepest such frame's category, so library calls made by a step are
 charged to that step (torch.frombuffer inside decoding is decoding). Otherwise the innermost frame
@@ -40,7 +41,9 @@ LIBRARY = [
     ("torch (other)", r"libtorch|at::|c10::|mkl|dnnl|torch/"),
     ("asyncio", r"asyncio/"),
 ]
-GIL = re.compile(r"take_gil|gil_scoped_release|PyEval_RestoreThread|PyEval_AcquireThread|PyGILState_Ensure")
+GIL = re.compile(
+    r"take_gil|gil_scoped_release|gil_scoped_acquire|PyEval_RestoreThread|PyEval_AcquireThread|PyGILState_Ensure"
+)
 WAIT = re.compile(
     r"^(epoll_wait|epoll_pwait|poll|__poll|select|pthread_cond_wait|pthread_cond_timedwait|PyThread_acquire_lock"
     r"|sem_wait|sem_timedwait|do_futex_wait|__lll_lock_wait|nanosleep|clock_nanosleep|accept|recv|read )"
@@ -49,6 +52,11 @@ UNNAMED = re.compile(r"^0x[0-9a-f]+ \(")  # an address in a library without symb
 # Cython-generated C (uvloop's loop.c, gRPC's cygrpc): a condition wait called straight from it is the
 # callback taking the GIL to run Python (its PyGILState_Ensure has no frame of its own in py-spy).
 CYTHON = re.compile(r"\((loop|cygrpc)\.c(pp)?:\d+\)|_cython/|cygrpc")
+# torch's Python bindings: a condition wait called straight from one is the binding taking the GIL back as
+# its call returns (pybind11's gil_scoped_release, inlined: no frame of its own), e.g.
+# THPVariable__native_multi_head_attention after the fused kernel. torch's Python layer waits on no other
+# condition.
+TORCH_BINDING = re.compile(r"\(libtorch_python\.so\)")
 GIL_WAIT = re.compile(r"^(pthread_cond_wait|pthread_cond_timedwait) ")
 # A process frame of `py-spy record --subprocesses`: `process PID:"command line"`.
 PROCESS = re.compile(r'^process (\d+):"(.*)"$')
@@ -62,7 +70,8 @@ def categorise(frames: list[str]) -> str:
         # Blocked: on the GIL if a GIL-taking frame is just above the wait, else idle.
         if any(GIL.search(f) for f in named[-4:]):
             return "waiting for the GIL"
-        if GIL_WAIT.match(named[-1]) and len(named) > 1 and CYTHON.search(named[-2]):
+        caller = named[-2] if len(named) > 1 else ""
+        if GIL_WAIT.match(named[-1]) and (CYTHON.search(caller) or TORCH_BINDING.search(caller)):
             return "waiting for the GIL"
         return "idle (blocked)"
     if any(GIL.search(f) for f in named[-2:]):

@@ -35,6 +35,34 @@ def test_a_uvloop_callback_blocked_on_a_condition_is_waiting_for_the_gil_and_epo
     assert summary.categorise(frames(python)) == "waiting for the GIL"
 
 
+def test_a_torch_call_taking_the_gil_back_is_waiting_for_the_gil_and_a_worker_waiting_for_work_is_idle() -> None:
+    call = (
+        "DeviceWorker._run_group (attnserve_server/compute/worker.py:476);"
+        "AttentionCompute.__call__ (attnserve_server/compute/attention.py:183)"
+    )
+    # the binding's gil_scoped_release, inlined, takes the GIL back as the fused kernel returns
+    returns = (
+        f"{call};torch::autograd::THPVariable__native_multi_head_attention (libtorch_python.so);"
+        "pthread_cond_timedwait (libc.so.6);0x7f63 (libc.so.6)"
+    )
+    assert summary.categorise(frames(returns)) == "waiting for the GIL"
+    # torch (2.10 on) takes the GIL inside an op to count a reference to a tensor Python owns
+    inside = (
+        f"{call};at::_ops::slice_Tensor::call (libtorch_cpu.so);c10::TensorImpl::incref_pyobject (libc10.so);"
+        "torch::detail::(anonymous namespace)::ConcretePyInterpreterVTable::incref (libtorch_python.so);"
+        "pybind11::gil_scoped_acquire::gil_scoped_acquire (libtorch_python.so);pthread_cond_timedwait (libc.so.6)"
+    )
+    assert summary.categorise(frames(inside)) == "waiting for the GIL"
+    waiting = (
+        "Batcher._take (attnserve_server/batching.py:603);Condition.wait (threading.py:331);"
+        "lock_PyThread_acquire_lock (libpython3.11.so.1.0);pthread_cond_timedwait (libc.so.6)"
+    )
+    assert summary.categorise(frames(waiting)) == "idle (blocked)"
+    assert (
+        summary.categorise(frames(f"{call};mkl_blas_def_sgemm_kernel_0_zen (libtorch_cpu.so)")) == "worker: attention"
+    )
+
+
 def test_the_engine_link_is_its_own_category_but_not_the_edge_process_main() -> None:
     main = "main (attnserve_server/multiprocess/edge_process.py:333)"
     answer = f"{main};Edge._answer (attnserve_server/multiprocess/supervisor.py:191);0x7fb3d0b8bb75 (libc.so.6)"
