@@ -199,6 +199,33 @@ def test_a_cpu_worker_computes_without_autograd_and_answers_the_same_twice() -> 
         w.close()
 
 
+def test_served_batches_and_warm_up_compute_in_inference_mode_and_a_callers_batch_too() -> None:
+    w = worker()
+    modes: list[bool] = []
+    compute = w._compute
+
+    def recorded(*args: object) -> object:
+        modes.append(torch.is_inference_mode_enabled())
+        return compute(*args)
+
+    w._compute = recorded  # type: ignore[method-assign]
+    query = np.random.default_rng(4).standard_normal((1, 4, 16)).astype(np.float32)
+    try:
+        w.run([request(query)])  # a caller's thread (grad on): inference mode for the batch only
+        assert modes == [True] and not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+        # a served lane's thread: for good, as long as it serves
+        served = w.executor.submit(w.serve, lambda run, done, **_: run([request(query)]), None)
+        served.result()
+        assert modes == [True, True]
+        w.executor.submit(w.warmup).result()
+        assert len(modes) > 2 and all(modes)
+        # a thread with autograd off for good (as the event loop's, for solo runs: model.py), as it is
+        w.executor.submit(w.run, [request(query)]).result()
+        assert modes[-1] is False
+    finally:
+        w.close()
+
+
 def test_torch_threads_apply_on_the_worker_thread_itself() -> None:
     # OpenMP keeps the count per calling thread: setting it elsewhere would not reach the worker.
     w = worker(torch_threads=1)

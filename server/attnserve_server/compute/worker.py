@@ -180,7 +180,7 @@ class DeviceWorker:
         lane = self._local.lane = self._free_lanes.pop()
         name_os_thread(self.os_thread_name)  # its OpenMP threads too
         self._local.lane_thread = True
-        torch.set_grad_enabled(False)  # thread-local: see `run`
+        torch.set_grad_enabled(False)  # thread-local; `serve` and `warmup` add inference mode (`run`)
         # Set a count now, even the one the thread would take anyway: torch's one pthreadpool per process
         # (XNNPACK's, idle here) is made by the first thread that sets a count, with that many threads, named
         # after it. Made here, before the look below, it is not taken for one of this lane's OpenMP team.
@@ -253,14 +253,21 @@ class DeviceWorker:
         """Stages, computes and splits one batch. Requests share a BatchKey (the batcher ensures it).
 
         On the CPU a batch of mixed lengths runs as groups of similar length (compute/groups.py)."""
-        # Nothing here needs autograd (no weight or input requires grad). The worker's threads run with
-        # it off for good, as does the event loop's once it may compute solo runs (model.py); any other
-        # caller's thread only during the batch. Cheaper than an inference_mode context per batch,
-        # whose entry and exit took ~20 µs of a lone request on a cache-cold CPU (BENCHMARKS.md,
-        # fourteenth pass).
-        grad = torch.is_grad_enabled()
-        if grad:
-            torch.set_grad_enabled(False)
+        # Nothing here needs autograd (no weight or input requires grad). The worker's threads compute in
+        # inference mode for good (`serve`, `warmup`): no op does autograd's bookkeeping, and a view keeps
+        # no reference to its base, which since torch 2.10 takes the GIL inside the op when Python owns
+        # the base (on the CPU a tie in pairs, W1 and WL: BENCHMARKS.md, fifty-fourth pass). The event
+        # loop's thread, which computes solo runs, has autograd off for good (model.py) and computes as
+        # it is: an inference_mode context per run took ~20 µs of a lone request on a cache-cold CPU
+        # (fourteenth pass). Any other caller (tests, the in-process benchmark) computes in inference
+        # mode for the batch.
+        if not torch.is_inference_mode_enabled() and torch.is_grad_enabled():
+            with torch.inference_mode():
+                return self._run_guarded(requests)
+        return self._run_guarded(requests)
+
+    def _run_guarded(self, requests: list[AttentionRequest]) -> list[Answer]:
+        """`_run`, with a device's failures told apart from a batch's."""
         try:
             return self._run(requests)
         except torch.cuda.OutOfMemoryError as exc:  # the device serves on: a smaller batch may fit
@@ -275,9 +282,6 @@ class DeviceWorker:
             if self._cuda and not self._device_usable():
                 raise WorkerLost(f"{self.name} can compute no more: {type(exc).__name__}: {exc}") from exc
             raise  # the batch's failure: the device serves on
-        finally:
-            if grad:
-                torch.set_grad_enabled(True)
 
     def _device_usable(self) -> bool:
         """Whether the CUDA device still computes after a batch failed. Most errors (out of memory, a bad
@@ -303,7 +307,8 @@ class DeviceWorker:
         """Serves a batcher on the calling executor thread for good: `serve(run, done, shared=, second=)`
         (Batcher.serve), this thread's lane the first or, with pairing, the second runner."""
         lane: _Lane = self._local.lane
-        serve(self.run, done, shared=self.run_shared if self.pairs else None, second=lane.second)
+        with torch.inference_mode():  # for good on this thread (`run` says why)
+            serve(self.run, done, shared=self.run_shared if self.pairs else None, second=lane.second)
 
     def _run(self, requests: list[AttentionRequest]) -> list[Answer]:
         if len(requests) == 1 and not self._cuda:
@@ -509,7 +514,12 @@ class DeviceWorker:
 
     def warmup(self) -> None:
         """Runs every kernel kind (fused, masked and causal on the CPU's tiled path, explicit weights) at
-        two sizes, so no request pays for a first call; mixed lengths exercise padding."""
+        two sizes, so no request pays for a first call; mixed lengths exercise padding. In inference mode,
+        as `serve` computes: what it makes and keeps (CUDA graphs' buffers, packed weights) is made so."""
+        with torch.inference_mode():
+            self._warmup()
+
+    def _warmup(self) -> None:
         top = min(64, self.spec.max_query_len, self.spec.max_key_len)
         for length in sorted({max(1, top // 8), top}):
             self.run([self.example_request(length)])
