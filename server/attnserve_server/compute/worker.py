@@ -260,8 +260,9 @@ class DeviceWorker:
         # loop's thread, which computes solo runs, has autograd off for good (model.py) and computes as
         # it is: an inference_mode context per run took ~20 µs of a lone request on a cache-cold CPU
         # (fourteenth pass). Any other caller (tests, the in-process benchmark) computes in inference
-        # mode for the batch.
-        if not torch.is_inference_mode_enabled() and torch.is_grad_enabled():
+        # mode for the batch, as does every caller on CUDA: a lane's reused buffers (pinned slabs, CUDA
+        # graphs' inputs), made in inference mode, take writes only in it.
+        if not torch.is_inference_mode_enabled() and (self._cuda or torch.is_grad_enabled()):
             with torch.inference_mode():
                 return self._run_guarded(requests)
         return self._run_guarded(requests)
