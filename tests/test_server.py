@@ -747,7 +747,7 @@ def test_bfloat16_on_an_x86_cpu_without_bfloat16_kernels_logs_a_warning(caplog, 
     assert not bfloat16_is_slow(zen2 | {"avx_ne_convert"})
     assert not bfloat16_is_slow(frozenset({"fp", "asimd", "bf16"}))  # not x86: not this rule's to judge
 
-    warning = "bfloat16 on a CPU with neither AVX-512"
+    warning = "bfloat16 on a CPU with none of avx512bw+avx512dq+avx512vl or avx_ne_convert"
     for dtype, flags, warned in (
         ("bfloat16", zen2, True),
         ("float32", zen2, False),

@@ -12,6 +12,7 @@ import torch
 from attnserve_server import dtypes
 from attnserve_server.batching import BatchDone, Batcher, BatchLimits
 from attnserve_server.compute.devices import (
+    BFLOAT16_FLAG_SETS,
     FLOAT16_FLAGS,
     bfloat16_is_slow,
     cpu_flags,
@@ -195,9 +196,10 @@ class ServedModel:
             )
         elif dtype == "bfloat16" and bfloat16_is_slow(flags):
             log.warning(
-                "model %r: bfloat16 on a CPU with neither AVX-512 (avx512bw, avx512vl, avx512dq) nor avx_ne_convert "
-                "is slow in torch, 3.7-6.3x float32's time (README: Devices); float32 serves faster here",
+                "model %r: bfloat16 on a CPU with none of %s is slow in torch, 3.7-6.3x float32's time "
+                "(README: Devices); float32 serves faster here",
                 self.spec.name,
+                " or ".join("+".join(sorted(needed)) for needed in BFLOAT16_FLAG_SETS),
             )
 
     def computing_s(self) -> tuple[str, float]:

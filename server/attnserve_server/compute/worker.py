@@ -272,8 +272,8 @@ class DeviceWorker:
         try:
             return self._run(requests)
         except torch.cuda.OutOfMemoryError as exc:  # the device serves on: a smaller batch may fit
-            # (torch.cuda's name for it: torch.OutOfMemoryError, the same class, is new in torch 2.5, and
-            # the floor is 2.3, where that name would raise AttributeError at every failed batch)
+            # (torch.cuda's name for it: torch.OutOfMemoryError, the same class, is new in torch 2.5; either
+            # works at the floor, 2.6)
             sequences = sum(r.sequences for r in requests)
             raise DeviceOutOfMemory(
                 f"{self.name} ran out of memory for a batch of {len(requests)} request(s), {sequences} sequence(s): "
