@@ -39,7 +39,7 @@ from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, spec_from_settings
 from attnserve_server.runtime import allocator, openmp, pyheap
-from attnserve_server.settings import ModelSettings
+from attnserve_server.settings import BatchingSettings, ModelSettings
 
 from conftest import output_of, request, weights_of
 
@@ -204,11 +204,15 @@ def test_served_batches_and_warm_up_compute_in_inference_mode_and_a_callers_batc
     modes: list[bool] = []
     compute = w._compute
 
-    def recorded(*args: object) -> object:
-        modes.append(torch.is_inference_mode_enabled())
-        return compute(*args)
+    class Recorded:
+        def __call__(self, *args: object) -> object:
+            modes.append(torch.is_inference_mode_enabled())
+            return compute(*args)  # type: ignore[arg-type]
 
-    w._compute = recorded  # type: ignore[method-assign]
+        def __getattr__(self, name: str) -> object:
+            return getattr(compute, name)
+
+    w._compute = Recorded()  # type: ignore[assignment]
     query = np.random.default_rng(4).standard_normal((1, 4, 16)).astype(np.float32)
     try:
         w.run([request(query)])  # a caller's thread (grad on): inference mode for the batch only
@@ -224,6 +228,33 @@ def test_served_batches_and_warm_up_compute_in_inference_mode_and_a_callers_batc
         assert modes[-1] is False
     finally:
         w.close()
+
+
+def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W1 takes the CPU's tiled path unmasked from 8 sequences (compute/attention.py): warm-up runs such a
+    batch, so the first one served does not pay for its first call."""
+    tiled_calls: list[tuple[int, bool, bool]] = []
+    tiled = AttentionCompute._tiled
+
+    def recorded(self: AttentionCompute, query: torch.Tensor, key_padding: object, causal: bool) -> torch.Tensor:
+        tiled_calls.append((query.shape[0], key_padding is None, causal))
+        return tiled(self, query, key_padding, causal)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AttentionCompute, "_tiled", recorded)
+    # 8 heads of L=64: 128 KiB of scores a sequence, so 8 to a tiled batch (L=8's: 512); not where batches hold 7
+    for largest, unmasked in ((64, [(8, True, False)]), (7, [])):
+        settings = ModelSettings(
+            embed_dim=64, num_heads=8, device=("cpu",), batching=BatchingSettings(max_batch_size=largest)
+        )
+        spec = spec_from_settings(settings)
+        w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+        tiled_calls.clear()
+        try:
+            w.executor.submit(w.warmup).result()
+        finally:
+            w.close()
+        assert [c for c in tiled_calls if c[1] and not c[2]] == unmasked
+        assert any(not c[1] for c in tiled_calls) and any(c[2] for c in tiled_calls)  # masked, causal
 
 
 def test_torch_threads_apply_on_the_worker_thread_itself() -> None:
@@ -361,7 +392,7 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
     causal: bool, padded: bool, weights: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if path == "tiled":  # every CPU batch that returns no weights takes the tiled path
-        monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
+        monkeypatch.setattr(attention, "FUSED_CPU_MAX_BATCH_SCORE_BYTES", 0)
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
     matmul = "onednn" if path == "tiled on oneDNN" else "aten"
@@ -396,7 +427,8 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
     one_padded = torch.tensor([[False] * 60 + [True] * 4])
     with torch.inference_mode():
         # a sequence's scores: 128 KiB (L=64), 512 KiB (L=128), 2 MiB (L=256): the tiled path from 1 MiB
-        for n, length in ((1, 64), (16, 64), (4, 128), (1, 256), (4, 256)):
+        # a batch
+        for n, length in ((1, 64), (7, 64), (8, 64), (16, 64), (1, 128), (2, 128), (1, 256), (4, 256)):
             x = torch.randn(n, length, 256)
             torch.testing.assert_close(
                 compute(x, None, None, None, False, False, False)[0],
@@ -408,8 +440,9 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
         compute(x, None, None, one_padded, False, False, False)  # masked: tiled at any size
         compute(x, None, None, None, True, False, False)
         compute(torch.randn(2, 256, 256), None, None, None, False, True, True)  # weights: fused
-    # the reference takes the fused kernel at every length; the model at L=256 only for weights
-    assert batches == [1, 1, 16, 16, 4, 4, 1, 4, 2]
+    # the reference takes the fused kernel for every batch; the model up to 7 W1 sequences, one of L=128,
+    # and at L=256 only for weights
+    assert batches == [1, 1, 7, 7, 8, 16, 1, 1, 2, 1, 4, 2]
 
 
 def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_products() -> None:
@@ -419,9 +452,9 @@ def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_product
     onednn = AttentionCompute(spec, params)  # the default
     aten = AttentionCompute(spec, params, cpu_matmul="aten")
     with torch.inference_mode():
-        for n, length in ((1, 64), (16, 64), (8, 128), (1, 256), (4, 256)):
+        for n, length in ((1, 64), (7, 64), (16, 64), (1, 128), (8, 128), (1, 256), (4, 256)):
             x = torch.randn(n, length, 256)
-            fused = length < 256  # a sequence's scores under 1 MiB
+            fused = n * 8 * length * length * 4 < 1 << 20  # the batch's scores under 1 MiB
             assert onednn._fused_pays(x, None, False, False) == aten._fused_pays(x, None, False, False) == fused
             torch.testing.assert_close(
                 onednn(x, None, None, None, False, False, False)[0],

@@ -38,16 +38,19 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
 # On the CPU torch's fused kernel materialises every head's [L, S] scores for the whole batch and
 # rescales, soft-maxes and multiplies them in separate passes; scaled_dot_product_attention's CPU
-# kernel works through them in tiles. In-process (BENCHMARKS.md, twenty-sixth and thirty-fourth passes)
-# the tiled path computed W1 batches of 8-32 at 0.72-0.90x the fused kernel's cost a sequence, and any
-# masked batch at 0.64-0.88x. Under load the choice differs: through perf_analyzer at concurrency 32
-# (thirty-fifth pass, in pairs) the fused kernel served W1 1.16x and L=128 1.08x as much as the tiled
-# path, and L=256 0.85x and WL (E=1024, 16 heads, L=256) 0.80x. So an unmasked CPU batch takes the fused
-# kernel while one sequence's scores stay under this many bytes (W1 128 KiB, L=128 512 KiB; L=256
-# 2 MiB and WL 4 MiB take the tiled path), whatever the batch size. (Earlier passes bounded the whole
-# batch's scores, to 1 MiB; their perf_analyzer runs could not tell, as every request they sent asked
-# for the attention weights, which only the fused kernel and the explicit path give: edge/kserve.py.)
-FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
+# kernel works through them in tiles, so its cost a sequence stays flat with the batch while the fused
+# kernel's grows once the batch's scores outgrow the caches (W1 on one thread of an AMD EPYC Zen 2, µs a
+# sequence: batch 4 586 against the tiled path's 561, 16 841 against 670, 64 904 against 698). The tiled
+# path takes four calls into torch where the fused kernel takes one, and under load each call that gives up
+# the GIL may wait to take it back; small batches, which gain nothing in-process, are the fused kernel's.
+# So an unmasked CPU batch takes the fused kernel while the whole batch's scores stay under this many
+# bytes: W1 (128 KiB a sequence) up to 7 sequences, L=128 (512 KiB) one; L=256 and WL never. In pairs
+# under perf_analyzer (fifty-fifth pass, that Zen 2, with inference mode): W1 c=32 1.04x the per-sequence
+# bound this replaces (eleven runs), c=64 1.08x, L=128 c=32 1.07x; half this bound served c=8 0.97x and
+# c=32 0.98x, twice it tied. (The thirty-fifth pass had measured the opposite on a Zen 4, the fused kernel
+# 1.16x at W1 c=32, without inference mode, when the tiled path's views took the GIL inside torch to count
+# references; on the Zen 2 without it the batch bound served 0.98x, with it 1.04x.)
+FUSED_CPU_MAX_BATCH_SCORE_BYTES = 1 << 20
 
 
 class AttentionCompute:
@@ -62,7 +65,7 @@ class AttentionCompute:
         cpu_matmul: str = "onednn",
     ) -> None:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
-        pays (FUSED_CPU_MAX_SCORE_BYTES), the tiled path otherwise. Tests turn either off. `cpu_matmul`:
+        pays (FUSED_CPU_MAX_BATCH_SCORE_BYTES), the tiled path otherwise. Tests turn either off. `cpu_matmul`:
         how the CPU multiplies the projections (compute/linear.py)."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
@@ -129,8 +132,12 @@ class AttentionCompute:
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
-        length = query.shape[1]
-        return self.heads * length * length * query.element_size() < FUSED_CPU_MAX_SCORE_BYTES
+        return query.shape[0] < self.smallest_tiled_batch(query.shape[1], query.element_size())
+
+    def smallest_tiled_batch(self, length: int, element_size: int) -> int:
+        """How many unmasked CPU sequences of this length make a batch that takes the tiled path."""
+        scores = self.heads * length * length * element_size
+        return max(1, -(-FUSED_CPU_MAX_BATCH_SCORE_BYTES // scores))
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it

@@ -514,9 +514,10 @@ class DeviceWorker:
         return AttentionRequest(rand(spec.embed_dim), key, value, padding, causal, need_weights, average, False)
 
     def warmup(self) -> None:
-        """Runs every kernel kind (fused, masked and causal on the CPU's tiled path, explicit weights) at
-        two sizes, so no request pays for a first call; mixed lengths exercise padding. In inference mode,
-        as `serve` computes: what it makes and keeps (CUDA graphs' buffers, packed weights) is made so."""
+        """Runs every kernel kind (fused, the CPU's tiled path unmasked where a batch reaches it, masked and
+        causal, explicit weights) at two sizes, so no request pays for a first call; mixed lengths exercise
+        padding. In inference mode, as `serve` computes: what it makes and keeps (CUDA graphs' buffers,
+        packed weights) is made so."""
         with torch.inference_mode():
             self._warmup()
 
@@ -524,6 +525,9 @@ class DeviceWorker:
         top = min(64, self.spec.max_query_len, self.spec.max_key_len)
         for length in sorted({max(1, top // 8), top}):
             self.run([self.example_request(length)])
+            tiled = self._smallest_unmasked_tiled_batch(length)
+            if tiled:
+                self.run([self.example_request(length) for _ in range(tiled)])
             self.run(
                 [self.example_request(length, causal=True), self.example_request(max(1, length // 2), causal=True)]
             )
@@ -538,6 +542,15 @@ class DeviceWorker:
         # than the requests' (one at WL, 3-5x its usual cost on two threads, kept it on one thread for
         # 20-40 s under load; BENCHMARKS.md, fifteenth pass). The first served batches start it afresh.
         self._local.__dict__.pop("chooser", None)
+
+    def _smallest_unmasked_tiled_batch(self, length: int) -> int:
+        """On the CPU, the fewest unmasked sequences of this length that make a batch on the tiled path
+        (compute/attention.py), where that is more than one and fits the batch limits; else 0."""
+        if self._cuda or not self._compute.fused or not self.spec.self_attention:
+            return 0
+        n = self._compute.smallest_tiled_batch(length, self.dtype.itemsize)
+        fits = n <= self.spec.max_batch_size and n * length <= self.spec.max_batch_tokens
+        return n if n > 1 and fits else 0
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
