@@ -64,6 +64,9 @@ for i in $(seq "${N:-6}"); do
 done
 # The pairs' medians of B/A, and how many pairs B won: two identical arms read 0.96-1.00 over 10 pairs
 # of 0.7 s windows on the VM of BENCHMARKS.md (nineteenth pass), so trust a median further from 1.
+# A run starts each arm's server once, and a server process can stay a few percent faster or slower for
+# its whole life: identical arms read 0.965 and 0.977, B lower in 4 and 3 of 4 pairs (fifty-fifth pass). For an
+# effect under ~5%, repeat the run (fresh servers each time) and take the median of the runs' medians.
 .venv/bin/python - "$OUT/pairs" <<'PY'
 import statistics, sys
 pairs = [[[float(x) for x in arm.split("/")] for arm in line.split()[1::2]] for line in open(sys.argv[1])]
