@@ -241,10 +241,11 @@ def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypat
         return tiled(self, query, key_padding, causal)  # type: ignore[arg-type]
 
     monkeypatch.setattr(AttentionCompute, "_tiled", recorded)
-    # 8 heads of L=64: 128 KiB of scores a sequence, so 8 to a tiled batch (L=8's: 512); not where batches hold 7
-    for largest, unmasked in ((64, [(8, True, False)]), (7, [])):
+    # 8 heads of L=64: 128 KiB of scores a sequence, so 8 to a tiled batch (L=8's: 512); not where batches
+    # hold 7; 2 heads: 32 KiB, so 32 to a batch, more than warm-up computes (WARM_TILED_MAX_SEQUENCES)
+    for heads, largest, unmasked in ((8, 64, [(8, True, False)]), (8, 7, []), (2, 64, [])):
         settings = ModelSettings(
-            embed_dim=64, num_heads=8, device=("cpu",), batching=BatchingSettings(max_batch_size=largest)
+            embed_dim=64, num_heads=heads, device=("cpu",), batching=BatchingSettings(max_batch_size=largest)
         )
         spec = spec_from_settings(settings)
         w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))

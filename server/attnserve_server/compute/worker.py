@@ -106,6 +106,12 @@ class _Lane:
         return sum(slab.capacity for slab in slabs if slab is not None)
 
 
+# Warm-up runs the CPU's unmasked tiled path (a first call costs ~2 ms more: W1, 8 sequences) only where a
+# batch of at most this many sequences reaches it (W1 8, in bfloat16 16): a model of few heads reaches it
+# only with batches whose compute would lengthen the start far more than it spares one batch.
+WARM_TILED_MAX_SEQUENCES = 16
+
+
 class DeviceWorker:
     """Runs `run(requests) -> [Answer]` on one device, on threads of its own (see `executor`):
     `lanes` batches at once (on the CPU `cpu_lanes`, by default one; CUDA_LANES on a GPU).
@@ -545,11 +551,12 @@ class DeviceWorker:
 
     def _smallest_unmasked_tiled_batch(self, length: int) -> int:
         """On the CPU, the fewest unmasked sequences of this length that make a batch on the tiled path
-        (compute/attention.py), where that is more than one and fits the batch limits; else 0."""
+        (compute/attention.py), where that is more than one, fits the batch limits and is cheap enough to
+        warm up (at most WARM_TILED_MAX_SEQUENCES); else 0."""
         if self._cuda or not self._compute.fused or not self.spec.self_attention:
             return 0
         n = self._compute.smallest_tiled_batch(length, self.dtype.itemsize)
-        fits = n <= self.spec.max_batch_size and n * length <= self.spec.max_batch_tokens
+        fits = n <= min(WARM_TILED_MAX_SEQUENCES, self.spec.max_batch_size) and n * length <= self.spec.max_batch_tokens
         return n if n > 1 and fits else 0
 
     def close(self) -> None:
