@@ -3,12 +3,12 @@
 Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
-holds it (measured in BENCHMARKS.md). On the CPU that holds for unmasked batches of short sequences only:
-longer or masked ones take the tiled path (`_tiled`: scaled_dot_product_attention between the two
-projections, four calls into torch), which never holds a whole batch's scores. Cross attention,
-the bare operation and odd head counts take the explicit path below, as torch's module does. On the
-CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused
-kernel multiplies with torch's own products inside.
+holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores
+within FUSED_CPU_MAX_BATCH_SCORE_BYTES): larger or masked ones take the tiled path (`_tiled`:
+scaled_dot_product_attention between the two projections, four calls into torch), which never holds a whole
+batch's scores. Cross attention, the bare operation and odd head counts take the explicit path below, as
+torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
+(compute/linear.py); the fused kernel multiplies with torch's own products inside.
 """
 
 from __future__ import annotations
