@@ -159,6 +159,28 @@ def test_spinners_that_were_killed_turn_idle_spin_off_and_requests_go_on(caplog)
 
 
 @needs_linux
+def test_a_spinner_killed_alone_is_named_and_reaped_and_the_others_spin_on(caplog) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    spin = IdleSpin(0.01, [cpu, cpu])
+    spin.start()
+    killed, kept = spin.pids
+    try:
+        _until(lambda: _stat(killed)[0] == "S" and _stat(kept)[0] == "S", "the spinners to sleep")
+        os.kill(killed, signal.SIGKILL)
+        _until(lambda: _stat(killed)[0] == "Z", "the killed spinner to die")  # nobody has reaped it yet
+        spin.touch()  # the next request after a quiet gap notices
+        assert f"the spinner for CPU {cpu} (pid {killed}) exited unasked" in caplog.text
+        assert _stat(killed)[0] == "gone"  # reaped, no zombie left behind
+        assert spin.pids == [kept]
+        assert "idle spin off" not in caplog.text
+        _until(lambda: _stat(kept)[0] == "S", "the other spinner to sleep once its window is over")
+        _spins_after_touch(spin, kept)  # and it still wakes for requests
+    finally:
+        spin.close()
+    assert _gone(kept)
+
+
+@needs_linux
 def test_spinners_exit_when_the_server_process_is_killed() -> None:
     code = (
         "import sys; from attnserve_server.runtime.idle_spin import IdleSpin\n"

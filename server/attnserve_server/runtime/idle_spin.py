@@ -213,6 +213,10 @@ class IdleSpin:
         self._deadline(state, 0, self._clock() + self.window_s)
         if state[_idle_spinner.ASLEEP_AT]:
             state[_idle_spinner.ASLEEP_AT] = 0
+            # Only here, where spinners sleep (after a quiet gap, never under load): one waitpid each (a list,
+            # so that every one is polled).
+            if any([p.poll() is not None for p in self._processes]) and not self._drop_exited():
+                return
             try:
                 os.write(self._wake_w, self._wake_bytes)  # type: ignore[arg-type]
             except BlockingIOError:  # a full pipe: every spinner has a byte to wake to
@@ -220,6 +224,30 @@ class IdleSpin:
             except OSError as exc:  # no spinner left to read it (killed): serve on without them
                 log.warning("idle spin off: its spinners are gone (%s)", exc)
                 self.close()
+
+    def _drop_exited(self) -> bool:
+        """Forgets the spinners that exited unasked (killed, say; already reaped by `poll`), saying so, and
+        wakes one byte's worth fewer; False, and idle spin off, where none is left."""
+        alive = []
+        for cpu, p in zip(self.cpus, self._processes, strict=True):  # one spinner a CPU, in order
+            if p.returncode is None:
+                alive.append((cpu, p))
+                continue
+            log.warning(
+                "idle spin: the spinner for CPU %d (pid %d) exited unasked (returncode %d); that CPU is no longer "
+                "kept awake",
+                cpu,
+                p.pid,
+                p.returncode,
+            )
+        self.cpus = [cpu for cpu, _ in alive]
+        self._processes = [p for _, p in alive]
+        self._wake_bytes = b"\0" * len(self._processes)
+        if not self._processes:
+            log.warning("idle spin off: its spinners are gone")
+            self.close()
+            return False
+        return True
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stops the spinners (blocking, briefly): they exit once the wake pipe closes."""
