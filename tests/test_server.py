@@ -439,6 +439,38 @@ def test_a_stream_deadline_applies_to_every_request_in_it() -> None:
         assert handle.sample("attnserve_tokens_total", model="default") == 0
 
 
+def test_an_async_stream_whose_deadline_passes_as_it_sends_ends_deadline_exceeded(default_server: Running) -> None:
+    # Deadlines of a millisecond or so pass while grpc.aio's own task is still writing the requests or
+    # half-closing; with the status lost it said INTERNAL "Internal error from Core" (about half of these
+    # streams), or cancelled the call so that reading it raised asyncio.CancelledError (client/_aio.py).
+    outcomes: dict[str, int] = {}
+
+    async def one(c: AsyncClient, timeout_s: float) -> None:
+        requests = [Request(query=x(3, E)), Request(query=x(4, E), causal=True)]
+        try:
+            answered = [r async for r in c.attend_stream(requests, timeout_s=timeout_s)]
+            outcome = "OK" if len(answered) == 2 else f"{len(answered)} answers"
+        except AttnServeError as exc:
+            outcome = exc.code.name if exc.code != grpc.StatusCode.INTERNAL else f"INTERNAL: {exc.message}"
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise
+            outcome = "CancelledError"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    async def main() -> None:
+        async with AsyncClient(default_server.target) as c:
+            await c.attend(x(3, E), timeout_s=30)  # connected
+            for _ in range(10):
+                await asyncio.gather(*(one(c, t) for t in [0.0005, 0.001, 0.002, 0.004] * 5))
+
+    asyncio.run(main())
+    assert outcomes.get("DEADLINE_EXCEEDED", 0) > 0
+    assert set(outcomes) <= {"OK", "DEADLINE_EXCEEDED"}, outcomes
+    with Client(default_server.target, timeout_s=30) as c:  # and the server serves on
+        assert c.attend(x(3, E)).output.shape == (3, E)
+
+
 def test_a_cancelled_call_is_dropped_before_compute() -> None:
     with running(held()) as handle:
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +20,7 @@ from attnserve._channel import (
     resolve_target,
 )
 from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
-from attnserve._errors import translate_errors
+from attnserve._errors import AttnServeError, translate_errors
 from attnserve._sync import _stream_ids
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
@@ -30,6 +32,35 @@ async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]
     async for spec in requests:
         yield encode_stream_request(index, spec)
         index += 1
+
+
+# grpc.aio writes a stream's requests from a task of its own, which races the call's end: a write or the
+# half-close that core refuses because the call has just ended (its deadline passed, or the server closed it)
+# before its status reached Python makes grpc.aio set the status to INTERNAL "Internal error from Core" in
+# place of the real one, or cancel the call, so that reading it raises asyncio.CancelledError in a task that
+# nobody cancelled. With short deadlines and a few streams open, most expired streams ended so (grpcio 1.85;
+# tests/test_client.py). The sync client's writer thread does not race so.
+_LOST_STATUS = "Internal error from Core"
+
+
+def _lost_stream_status(exc: BaseException, deadline: float | None) -> AttnServeError | None:
+    """The error a stream that ended so really ended with, as far as the client can tell: DEADLINE_EXCEEDED
+    once its deadline has passed (grpc's timer and ours run on the same clock; ours started first), else
+    INTERNAL, saying that the status was lost. None for any other error (a real status, or a cancellation
+    of the caller's own task), which is raised as it is."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            return None
+    elif exc.code() != grpc.StatusCode.INTERNAL or exc.details() != _LOST_STATUS:  # type: ignore[union-attr]
+        return None
+    if deadline is not None and time.monotonic() >= deadline - 0.001:
+        return AttnServeError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    return AttnServeError(
+        grpc.StatusCode.INTERNAL,
+        "the stream ended while the client was still sending its requests, and grpc.aio lost the status "
+        f"it ended with ({_LOST_STATUS!r})",
+    )
 
 
 class AsyncClient:
@@ -81,11 +112,20 @@ class AsyncClient:
         fed by a queue, say), read as the stream goes: each request is sent when it is produced,
         while earlier answers are already coming back."""
         outgoing = _async_stream_ids(requests) if isinstance(requests, AsyncIterable) else _stream_ids(requests)
-        call = self._stub.AttendStream(outgoing, **self._call_args(timeout_s))
+        args = self._call_args(timeout_s)
+        timeout = args["timeout"]
+        deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
+        call = self._stub.AttendStream(outgoing, **args)
         try:
             with translate_errors():
-                async for msg in call:
-                    yield decode_response(msg)
+                try:
+                    async for msg in call:
+                        yield decode_response(msg)
+                except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                    lost = _lost_stream_status(exc, deadline)
+                    if lost is None:
+                        raise
+                    raise lost from None
         finally:
             call.cancel()
 
