@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -38,8 +39,8 @@ pytestmark = pytest.mark.slow
 
 
 class ServerProcess:
-    def __init__(self, *flags: str) -> None:
-        server = spawn_serve(*flags, stderr=subprocess.PIPE)
+    def __init__(self, *flags: str, preexec_fn: Callable[[], object] | None = None) -> None:
+        server = spawn_serve(*flags, stderr=subprocess.PIPE, preexec_fn=preexec_fn)
         self.proc, self.target, self.metrics_port = server.proc, server.target, server.metrics_port
 
     def sample(self, name: str, **labels: str) -> float:
@@ -260,6 +261,33 @@ with Client(sys.argv[1], timeout_s=30) as c:
 assert "torch" not in sys.modules
 print("ok", r.output.shape, r.output.dtype)
 """
+
+
+def test_serve_raises_its_open_files_limit_so_that_more_clients_connect_than_it_started_with(server_process) -> None:
+    # At a soft limit of 128 gRPC stopped accepting ("File descriptor limit reached. Retrying."), and the
+    # 107th connection's call waited out its deadline (runtime/files.py).
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    server = ServerProcess(
+        "--embed-dim", "32", "--num-heads", "4", "--device", "cpu",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard)),
+    )  # fmt: skip
+    server_process.append(server)
+    x = np.ones((3, 32), np.float32)
+    clients = []
+    try:
+        for _ in range(250):  # each its own connection, kept open
+            clients.append(Client(server.target, timeout_s=10))
+            assert clients[-1].attend(x).output.shape == (3, 32)
+    finally:
+        for c in clients:
+            c.close()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    log = server.proc.stderr.read()
+    assert "open files: at most " in log and " (raised from 128)" in log, log[:2000]
+    assert "File descriptor limit reached" not in log
 
 
 def test_the_client_imports_and_works_with_torch_blocked(default_server: Running) -> None:

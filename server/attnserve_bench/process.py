@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,12 @@ class ServeProcess:
         return f"127.0.0.1:{self.port}"
 
 
-def spawn_serve(*flags: str, stderr: Any = None) -> ServeProcess:
-    """Starts `attnserve serve` in a child process on 127.0.0.1 with free ports; returns once it is ready."""
+def spawn_serve(*flags: str, stderr: Any = None, preexec_fn: Callable[[], object] | None = None) -> ServeProcess:
+    """Starts `attnserve serve` in a child process on 127.0.0.1 with free ports; returns once it is ready.
+    `preexec_fn` runs in the child before it starts (a test's resource limits)."""
     cmd = [sys.executable, "-m", "attnserve_server", "serve", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--metrics-port", "0", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=preexec_fn)
     assert proc.stdout is not None
     for line in proc.stdout:
         if match := _READY.match(line):

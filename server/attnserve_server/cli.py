@@ -12,7 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from attnserve_server.connect import Refused, add_connection_flags, connection_from
-from attnserve_server.runtime import allocator, openmp, pyheap
+from attnserve_server.runtime import allocator, files, openmp, pyheap
 from attnserve_server.settings import OPTIONS
 
 _DESCRIPTION = "attnserve: multi-head attention served over gRPC."
@@ -168,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("attnserve").info("OpenMP: %s; malloc: %s", omp, malloc)
+    # Before the edge processes start, which inherit it (files.py).
+    logging.getLogger("attnserve").info("open files: %s", files.raise_open_files_limit())
     try:
         name, factory = loop_factory(settings.event_loop)
         logging.getLogger("attnserve").info("event loop: %s", name)
