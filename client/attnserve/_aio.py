@@ -39,7 +39,7 @@ async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]
 # before its status reached Python makes grpc.aio set the status to INTERNAL "Internal error from Core" in
 # place of the real one, or cancel the call, so that reading it raises asyncio.CancelledError in a task that
 # nobody cancelled. With short deadlines and a few streams open, most expired streams ended so (grpcio 1.85;
-# tests/test_client.py). The sync client's writer thread does not race so.
+# tests/test_server.py). The sync client's writer thread does not race so.
 _LOST_STATUS = "Internal error from Core"
 
 

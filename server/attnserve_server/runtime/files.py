@@ -15,11 +15,15 @@ from __future__ import annotations
 import resource
 
 NR_OPEN = "/proc/sys/fs/nr_open"  # the kernel's ceiling for one process, where the hard limit is "unlimited"
+# Raised no higher than this, the kernel's default ceiling (and the limit Docker gave containers for years):
+# where the hard limit is huge (systemd resolves "infinity" to 2^30), code that sizes a table by the limit, or
+# walks every descriptor up to it, would pay for it.
+MOST = 1 << 20
 
 
 def raise_open_files_limit() -> str:
-    """Raises the soft limit on open files to the hard limit (inherited by the edge processes); returns
-    what it did, for the log."""
+    """Raises the soft limit on open files to the hard limit, or to MOST (inherited by the edge processes);
+    returns what it did, for the log."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard
     if hard == resource.RLIM_INFINITY:
@@ -28,6 +32,7 @@ def raise_open_files_limit() -> str:
                 target = int(f.read())
         except (OSError, ValueError):
             return _describe(soft)
+    target = min(target, MOST)
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
