@@ -3,6 +3,7 @@ Certificates are made at test time (trustme); nothing leaves loopback."""
 
 from __future__ import annotations
 
+import socket
 import ssl
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import trustme
 
 from attnserve import AttnServeError, Client
+from attnserve_server.metrics import MetricsHTTPServer
 from attnserve_server.security import token_hash
 
 from conftest import model, run_cli, running, settings
@@ -200,6 +202,34 @@ def test_the_metrics_port_speaks_tls_and_can_require_a_client_certificate(pki: P
             urllib.request.urlopen(url, timeout=5, context=anonymous).read()
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(url.replace("https", "http"), timeout=5).read()
+
+
+def _silent_connection(port: int) -> socket.socket:
+    """A connection to the port that sends nothing; its reads wait 10 s at most."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def test_a_connection_that_sends_nothing_holds_no_scrape_and_is_closed(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With TLS the handshake ran inside accept(), on the one thread that accepts: one client that connected
+    # and sent nothing held every scrape after it (each timed out); without TLS such a connection held a
+    # thread for good.
+    monkeypatch.setattr(MetricsHTTPServer, "connection_timeout_s", 0.5)
+    fields = {"metrics_tls_cert": str(pki.server_cert), "metrics_tls_key": str(pki.server_key)}
+    with running(settings(model(embed_dim=32, num_heads=4), **fields)) as handle:
+        port = handle.server.metrics_port
+        scraper = ssl.create_default_context(cafile=str(pki.ca_pem))
+        with _silent_connection(port) as silent:
+            status, text = _get(f"https://127.0.0.1:{port}/metrics", scraper)
+            assert status == 200 and "attnserve_queue_depth" in text
+            assert silent.recv(1) == b""  # closed by the server at its timeout, not by our 10 s
+    with running(settings(model(embed_dim=32, num_heads=4))) as handle:
+        port = handle.server.metrics_port
+        with _silent_connection(port) as silent, _silent_connection(port) as half:
+            half.sendall(b"GET /metr")
+            assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
+            assert silent.recv(1) == b"" and half.recv(1) == b""
 
 
 def test_a_plaintext_health_port_answers_probes_while_the_grpc_port_speaks_tls(pki: Pki) -> None:

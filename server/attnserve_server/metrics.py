@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import ssl
+import sys
 import threading
 import time
 from bisect import bisect_left
@@ -23,6 +25,10 @@ from prometheus_client.utils import floatToGoString
 from attnserve_server.domain import BatchReport
 
 # 100 us to 10 s.
+log = logging.getLogger(__name__)
+# How long the metrics endpoint waits on a connection that sends (or takes) nothing, handshake included: a
+# scrape takes milliseconds, and Prometheus' own scrape timeout is 10 s by default.
+CONNECTION_TIMEOUT_S = 15.0
 LATENCY_BUCKETS_S = (
     0.0001,
     0.00025,
@@ -150,7 +156,7 @@ class Metrics:
             if tls_client_ca:
                 context.load_verify_locations(tls_client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
-            httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+            httpd.tls = context
         threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
         return httpd
 
@@ -358,7 +364,28 @@ def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str,
 
 
 class MetricsHTTPServer(ThreadingWSGIServer):
-    """The metrics endpoint's HTTP server: a thread per scrape, never holding the process at exit."""
+    """The metrics endpoint's HTTP server: a thread per connection, never holding the process at exit, and
+    no connection held longer than CONNECTION_TIMEOUT_S without a byte either way.
+
+    With TLS each connection shakes hands on its own thread. A listening socket wrapped for TLS shakes
+    hands inside accept(), on the one thread that accepts: a client that connected and sent nothing held
+    every scrape after it until it left (measured: each timed out)."""
+
+    tls: ssl.SSLContext | None = None
+    connection_timeout_s = CONNECTION_TIMEOUT_S
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(self.connection_timeout_s)  # every read and write, the handshake's too
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        with self.tls.wrap_socket(request, server_side=True) as connection:  # the handshake, here
+            super().finish_request(connection, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (a handshake refused or timed out, a peer that reset or fell silent) is
+        the client's affair: one line at DEBUG, not socketserver's traceback on stderr."""
+        log.debug("metrics endpoint: a connection from %s ended: %r", client_address[0], sys.exc_info()[1])
 
 
 class _QuietHandler(WSGIRequestHandler):
