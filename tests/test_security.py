@@ -232,6 +232,34 @@ def test_a_connection_that_sends_nothing_holds_no_scrape_and_is_closed(
             assert silent.recv(1) == b"" and half.recv(1) == b""
 
 
+def test_connections_past_the_cap_are_closed_at_once_and_the_cap_frees_as_connections_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, every connection got a thread of its own for as long as it stayed (15 s silent): a client that
+    # opened thousands held thousands of threads.
+    monkeypatch.setattr(MetricsHTTPServer, "max_connections", 3)
+    monkeypatch.setattr(MetricsHTTPServer, "connection_timeout_s", 60.0)  # longer than any wait below
+    with running(settings(model(embed_dim=32, num_heads=4))) as handle:
+        port = handle.server.metrics_port
+        held = [_silent_connection(port) for _ in range(3)]
+        try:
+            for _ in range(5):
+                with _silent_connection(port) as extra:
+                    assert extra.recv(1) == b""  # closed by the server at once (our reads wait 10 s)
+            held.pop().close()
+            # The slot frees when the server's thread sees the close: until then a scrape is refused.
+            for _ in range(200):
+                try:
+                    status, text = _get(f"http://127.0.0.1:{port}/metrics")
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    continue
+            assert status == 200 and "attnserve_queue_depth" in text
+        finally:
+            for connection in held:
+                connection.close()
+
+
 def test_a_plaintext_health_port_answers_probes_while_the_grpc_port_speaks_tls(pki: Pki) -> None:
     with running(tls_settings(pki, health_port=0)) as handle:
         health = f"127.0.0.1:{handle.server.health_port}"

@@ -24,11 +24,14 @@ from prometheus_client.utils import floatToGoString
 
 from attnserve_server.domain import BatchReport
 
-# 100 us to 10 s.
 log = logging.getLogger(__name__)
 # How long the metrics endpoint waits on a connection that sends (or takes) nothing, handshake included: a
 # scrape takes milliseconds, and Prometheus' own scrape timeout is 10 s by default.
 CONNECTION_TIMEOUT_S = 15.0
+# How many connections the metrics endpoint serves at once, a thread each: scrapers are a handful (an HA
+# Prometheus pair, a debugging curl); one past this is closed at once rather than given a thread.
+MAX_CONNECTIONS = 64
+# 100 us to 10 s.
 LATENCY_BUCKETS_S = (
     0.0001,
     0.00025,
@@ -364,8 +367,9 @@ def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str,
 
 
 class MetricsHTTPServer(ThreadingWSGIServer):
-    """The metrics endpoint's HTTP server: a thread per connection, never holding the process at exit, and
-    no connection held longer than CONNECTION_TIMEOUT_S without a byte either way.
+    """The metrics endpoint's HTTP server: a thread per connection, never holding the process at exit, no
+    connection held longer than CONNECTION_TIMEOUT_S without a byte either way, and at most MAX_CONNECTIONS
+    at once (so at most that many threads, whatever connects).
 
     With TLS each connection shakes hands on its own thread. A listening socket wrapped for TLS shakes
     hands inside accept(), on the one thread that accepts: a client that connected and sent nothing held
@@ -373,6 +377,32 @@ class MetricsHTTPServer(ThreadingWSGIServer):
 
     tls: ssl.SSLContext | None = None
     connection_timeout_s = CONNECTION_TIMEOUT_S
+    max_connections = MAX_CONNECTIONS
+    # socketserver listens with a backlog of 5: a sixth connection made while the accepting thread was
+    # starting a handler's thread was dropped and its client retried a second later (measured).
+    request_queue_size = socket.SOMAXCONN
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics endpoint: %d connections open; one from %s closed", self.max_connections,
+                      client_address[0])  # fmt: skip
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started (none left to the process): the slot is not taken
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(self.connection_timeout_s)  # every read and write, the handshake's too
