@@ -20,7 +20,7 @@ from attnserve._channel import (
     resolve_target,
 )
 from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
-from attnserve._errors import AttnServeError, translate_errors
+from attnserve._errors import AttnServeError, status_code_from_number, translate_errors
 from attnserve._sync import _stream_ids
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
@@ -38,22 +38,52 @@ async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]
 # half-close that core refuses because the call has just ended (its deadline passed, or the server closed it)
 # before its status reached Python makes grpc.aio set the status to INTERNAL "Internal error from Core" in
 # place of the real one, or cancel the call, so that reading it raises asyncio.CancelledError in a task that
-# nobody cancelled. With short deadlines and a few streams open, most expired streams ended so (grpcio 1.85;
-# tests/test_server.py). The sync client's writer thread does not race so.
+# nobody cancelled. With short deadlines and a few streams open, most expired streams ended so, and about a
+# quarter of streams that the server ended early (grpcio 1.85; tests/test_server.py). The sync client's
+# writer thread does not race so.
 _LOST_STATUS = "Internal error from Core"
 
 
-def _lost_stream_status(exc: BaseException, deadline: float | None) -> AttnServeError | None:
-    """The error a stream that ended so really ended with, as far as the client can tell: DEADLINE_EXCEEDED
-    once its deadline has passed (grpc's timer and ours run on the same clock; ours started first), else
-    INTERNAL, saying that the status was lost. None for any other error (a real status, or a cancellation
-    of the caller's own task), which is raised as it is."""
+class _FirstStatus:
+    """A done callback that keeps the status a call ended with first. grpc.aio sets the real status (the
+    server's trailers, or the deadline) and calls its done callbacks once; a write that failed after that
+    replaces it with INTERNAL. Python has no public way to read a status without awaiting, by when it may
+    have been replaced, so this reads the Cython call's own; where a grpcio lacks it, nothing is kept."""
+
+    __slots__ = ("code", "details")
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def __call__(self, call: Any) -> None:
+        if self.code is not None:
+            return
+        try:
+            cython_call = call._cython_call
+            if cython_call.is_locally_cancelled():  # grpc.aio's own cancel of its writer: no status of the call's
+                return
+            status = cython_call._status
+            code, details = status_code_from_number(int(status.code())), str(status.details() or "")
+        except Exception:  # another grpcio's internals: the fallbacks below still apply
+            return
+        self.code, self.details = code, details
+
+
+def _lost_stream_status(exc: BaseException, deadline: float | None, first: _FirstStatus) -> AttnServeError | None:
+    """The error a stream that ended so really ended with, as far as the client can tell: the status it
+    ended with first, if that was kept and is an error; else DEADLINE_EXCEEDED once its deadline has passed
+    (grpc's timer and ours run on the same clock; ours started first); else INTERNAL, saying that the status
+    was lost. None for any other error (a real status, or a cancellation of the caller's own task), which is
+    raised as it is."""
     if isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         if task is None or task.cancelling():
             return None
     elif exc.code() != grpc.StatusCode.INTERNAL or exc.details() != _LOST_STATUS:  # type: ignore[union-attr]
         return None
+    if first.code is not None and first.code != grpc.StatusCode.OK:
+        return AttnServeError(first.code, first.details)
     if deadline is not None and time.monotonic() >= deadline - 0.001:
         return AttnServeError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     return AttnServeError(
@@ -116,13 +146,15 @@ class AsyncClient:
         timeout = args["timeout"]
         deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
         call = self._stub.AttendStream(outgoing, **args)
+        first = _FirstStatus()
+        call.add_done_callback(first)
         try:
             with translate_errors():
                 try:
                     async for msg in call:
                         yield decode_response(msg)
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-                    lost = _lost_stream_status(exc, deadline)
+                    lost = _lost_stream_status(exc, deadline, first)
                     if lost is None:
                         raise
                     raise lost from None
