@@ -168,9 +168,10 @@ def test_an_answer_that_cannot_fit_the_message_limit_is_refused_before_compute()
             with pytest.raises(AttnServeError) as err:
                 c.attend(q, need_weights=True, average_weights=False)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert "the answer would be 1.4 MiB (weights 1.4 MiB), over the server's max_message_bytes 1.0 MiB" in (
-                err.value.message
-            )
+            assert (
+                "the answer would be 1.4 MiB (weights 1.4 MiB) and up to 64.0 KiB of names, shapes and framing, "
+                "over the server's max_message_bytes 1.0 MiB"
+            ) in err.value.message
             assert c.attend(q, need_weights=True).attention_weights.shape == (300, 300)
         assert handle.sample("attnserve_tokens_total", model="default") == 300  # only the averaged one ran
 

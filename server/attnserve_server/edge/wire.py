@@ -261,8 +261,8 @@ class Known:
         )
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def _check_memory(spec: ModelSpec, batch: int, length: int, keys: int, need_weights: bool, average: bool) -> int:
@@ -274,14 +274,15 @@ def _check_memory(spec: ModelSpec, batch: int, length: int, keys: int, need_weig
         weights = answer - answer_bytes(spec, batch, length, keys, 0)
         hint = "; ask for averaged weights, or send fewer or shorter sequences" if heads else ""
         raise InvalidArgument(
-            f"query.shape: the answer would be {_mib(answer)} (weights {_mib(weights)}), over the server's "
-            f"max_message_bytes {_mib(spec.max_answer_bytes)}{hint}"
+            f"query.shape: the answer would be {_size(answer)} (weights {_size(weights)}) and up to "
+            f"{_size(ANSWER_OVERHEAD_BYTES)} of names, shapes and framing, over the server's max_message_bytes "
+            f"{_size(spec.max_answer_bytes)}{hint}"
         )
     memory = compute_bytes(spec, batch, length, keys, need_weights)
     if memory > spec.max_batch_memory_bytes:
         raise InvalidArgument(
             f"query.shape: computing {batch} x {length} queries against {keys} keys"
-            f"{' with weights' if need_weights else ''} takes about {_mib(memory)}, over model {spec.name!r} "
-            f"max_batch_memory_bytes {_mib(spec.max_batch_memory_bytes)}"
+            f"{' with weights' if need_weights else ''} takes about {_size(memory)}, over model {spec.name!r} "
+            f"max_batch_memory_bytes {_size(spec.max_batch_memory_bytes)}"
         )
     return memory
