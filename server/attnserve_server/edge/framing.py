@@ -62,3 +62,10 @@ class Frame:
     def join(self) -> bytes:
         """The message's wire bytes: each part copied once."""
         return b"".join(self._parts)
+
+    def take(self) -> bytes:
+        """As `join`, and lets go of the parts: gRPC keeps the frame it is sending until its last byte
+        has left, and a client slow to read would make the server hold each answer's tensors twice."""
+        data = b"".join(self._parts)
+        self._parts = []
+        return data

@@ -113,7 +113,7 @@ def _serializer(cls):
     serialize = cls.SerializeToString
 
     def serializer(response) -> bytes:
-        return response.join() if type(response) is Frame else serialize(response)
+        return response.take() if type(response) is Frame else serialize(response)
 
     return serializer
 
