@@ -222,3 +222,101 @@ def test_a_taken_metrics_port_fails_at_start_up_in_one_line() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         _one_line_naming(_serve_on({"--port": "0", "--metrics-port": str(port)}), port)
+
+
+class _NonReader:
+    """An HTTP/2 client that sends unary calls and opens no flow-control window: the server can send it
+    headers and trailers, never a byte of an answer, until `read_all` opens the windows."""
+
+    def __init__(self, target: str) -> None:
+        import h2.config
+        import h2.connection
+        import h2.settings
+
+        host, port = target.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        self.sock.sendall(self.h2.data_to_send())
+        self.status: dict[int, str] = {}  # stream -> grpc-status, once its trailers came
+        self.answered: dict[int, int] = {}  # stream -> answer bytes received
+
+    def call(self, path: str, body: bytes) -> int:
+        stream = self.h2.get_next_available_stream_id()
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "attnserve")]
+        self.h2.send_headers(stream, [*headers, ("content-type", "application/grpc"), ("te", "trailers")])
+        framed = memoryview(b"\0" + len(body).to_bytes(4, "big") + body)
+        while framed:
+            room = min(self.h2.local_flow_control_window(stream), self.h2.max_outbound_frame_size)
+            if room <= 0:  # until the server's settings and window updates come
+                self.sock.sendall(self.h2.data_to_send())
+                self._receive()
+                continue
+            self.h2.send_data(stream, framed[:room].tobytes())
+            framed = framed[room:]
+        self.h2.end_stream(stream)
+        self.sock.sendall(self.h2.data_to_send())
+        return stream
+
+    def receive_until(self, done) -> None:
+        while not done():
+            self._receive()
+
+    def _receive(self) -> None:
+        import h2.events
+
+        data = self.sock.recv(1 << 20)
+        assert data, "the server closed the connection"
+        for event in self.h2.receive_data(data):
+            if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                status = dict(event.headers).get(b"grpc-status")
+                if status is not None:
+                    self.status[event.stream_id] = status.decode()
+            elif isinstance(event, h2.events.DataReceived):
+                self.answered[event.stream_id] = self.answered.get(event.stream_id, 0) + len(event.data)
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        self.sock.sendall(self.h2.data_to_send())
+
+    def read_all(self) -> None:
+        import h2.settings
+
+        self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})
+        self.h2.increment_flow_control_window(1 << 30)
+        self.sock.sendall(self.h2.data_to_send())
+
+
+def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_holds_too_many() -> None:
+    # Before, every request was computed and its answer held until the client read it: 200 requests for
+    # 8 MiB of weights each, from one such client, made the server hold 4.7 GiB (BENCHMARKS.md, 58th pass).
+    limit = 4 << 20
+    request = pb.AttendRequest(need_weights=True, average_weights=False)  # 1 MiB of weights to answer
+    q = np.ones((256, 32), "<f4")
+    request.query.dtype, request.query.data = pb.DATA_TYPE_FP32, q.tobytes()
+    request.query.shape[:] = q.shape
+    body = request.SerializeToString()
+    with running(settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=limit)) as handle:
+        stalled = _NonReader(handle.target)
+        try:
+            streams = [stalled.call(ATTEND, body) for _ in range(10)]
+            # Each answer counts from admission; the fourth takes the server to its limit.
+            stalled.receive_until(lambda: len(stalled.status) == 6)
+            assert set(stalled.status.values()) == {str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])}
+            refused = sorted(stalled.status)
+            assert refused == streams[4:], (refused, streams)
+            still_serving(handle.target)  # another connection is served meanwhile
+            with Client(handle.target, timeout_s=10) as other:
+                assert other.attend(q, need_weights=True, average_weights=False).attention_weights.shape == (
+                    4,
+                    256,
+                    256,
+                )
+            assert handle.sample("attnserve_dropped_requests_total", model="default", reason="unsent_answers") == 6
+            stalled.read_all()  # the four answers go out, and the connection is served again
+            stalled.receive_until(lambda: len(stalled.status) == 10)
+            assert all(stalled.status[s] == "0" and stalled.answered[s] > 1 << 20 for s in streams[:4])
+            again = stalled.call(ATTEND, body)
+            stalled.receive_until(lambda: again in stalled.status)
+            assert stalled.status[again] == "0"
+        finally:
+            stalled.sock.close()

@@ -99,6 +99,12 @@ def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, 
     return elements * spec.dtype.itemsize
 
 
+def request_answer_bytes(spec: ModelSpec, request: AttentionRequest) -> int:
+    """`answer_bytes` of a request's answer."""
+    heads = weight_heads(spec, request.need_weights, request.average_weights)
+    return answer_bytes(spec, request.sequences, request.query_len, request.key_len, heads)
+
+
 # An edge process's arena regions, and the tensors in them, start at multiples of this many bytes; so
 # do an answer's weights in its room (AnswerRoom), after its output.
 ANSWER_ALIGN = 64

@@ -50,6 +50,12 @@ class QueueFull(ServingError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class UnsentAnswers(ServingError):
+    """The caller's connection holds too many answers its client has not read (edge/outbox.py)."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class DeadlineExpired(ServingError):
     status = "DEADLINE_EXCEEDED"
 

@@ -53,7 +53,7 @@ LATENCY_BUCKETS_S = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-DROP_REASONS = ("queue_full", "deadline_exceeded", "cancelled", "shutting_down")
+DROP_REASONS = ("queue_full", "deadline_exceeded", "cancelled", "shutting_down", "unsent_answers")
 
 
 class Metrics:

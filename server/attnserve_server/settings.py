@@ -135,6 +135,9 @@ class ServerSettings:
     # (runtime/watchdog.py); 0: never.
     worker_stall_s: float = 600.0
     max_message_bytes: int = 256 * 1024 * 1024
+    # Answers handed to gRPC and not yet received by their clients, per gRPC process: past it, the
+    # connections holding the most get RESOURCE_EXHAUSTED for new requests (edge/outbox.py); 0: no limit.
+    max_unsent_bytes: int = 1 << 30
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
     # Each client connection is closed after about this long (gRPC's GOAWAY; calls in progress finish),
@@ -216,6 +219,14 @@ OPTIONS: tuple[Option, ...] = (
         " for the orchestrator to restart it; 0: never (default 600)",
     ),
     Option("max-message-bytes", "server", int, "largest gRPC message in either direction (default 256 MiB)"),
+    Option(
+        "max-unsent-bytes",
+        "server",
+        int,
+        "answers computed and not yet read by their clients that a gRPC process holds; past it, new requests on"
+        " the connections holding the most are refused RESOURCE_EXHAUSTED until their clients read; 0: no limit"
+        " (default 1 GiB)",
+    ),
     Option(
         "stream-window",
         "server",
@@ -617,6 +628,7 @@ def validate(settings: ServerSettings) -> None:
         f"idle_spin_ms: expected >= 0, got {settings.idle_spin_ms}",
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(settings.max_unsent_bytes >= 0, f"max_unsent_bytes: expected >= 0, got {settings.max_unsent_bytes}")
     _check(settings.stream_window >= 1, f"stream_window: expected >= 1, got {settings.stream_window}")
     for name in ("max_connection_age_s", "keepalive_s", "client_ping_min_s"):
         value = getattr(settings, name)

@@ -19,8 +19,9 @@ from typing import NamedTuple, Protocol, TypeVar
 import grpc
 
 from attnserve_server.batching import DEADLINE_SLACK_S
-from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
-from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, clip, status_of
+from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, request_answer_bytes
+from attnserve_server.edge.outbox import Outbox
+from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, UnsentAnswers, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.security import check_model_allowed
 from attnserve_server.settings import STREAM_WINDOW, ModelSettings
@@ -111,10 +112,12 @@ class Dispatcher:
         unknown_model_metrics: ModelMetrics,
         tracing: Tracing | None = None,
         stream_window: int = STREAM_WINDOW,
+        outbox: Outbox | None = None,
     ) -> None:
         self.models = models
         self.tracing = tracing
         self.stream_window = stream_window
+        self.outbox = Outbox(0) if outbox is None else outbox  # unary answers not yet read (edge/outbox.py)
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, once it handles a call
@@ -155,6 +158,13 @@ class Dispatcher:
         except ShuttingDown as exc:
             await context.abort(*caller_status(exc, "stream"))
 
+    def _admit_answers(self, served: Servable, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.outbox.admit(context)
+        except UnsentAnswers:
+            served.metrics.dropped("unsent_answers")
+            raise
+
     async def handle(
         self,
         model: str,
@@ -163,8 +173,14 @@ class Dispatcher:
         decode: Decode,
         encode: Encode[R],
         context: grpc.aio.ServicerContext | None = None,
+        *,
+        unary: bool = False,
     ) -> R:
         """One request, start to end, with its metrics; raises ServingError (or anything unexpected).
+
+        `unary`: the request is its call's only one (`context` given), whose answer the outbox counts
+        against the call's connection until the call ends, and refuses while that connection is owed
+        too much (edge/outbox.py).
 
         `deadline` is the call's (loop clock); a timeout the request carries (KServe's `timeout`
         parameter), counted from receipt, tightens it.
@@ -185,7 +201,11 @@ class Dispatcher:
                 raise self._not_found(model)
             check_model_allowed(served.spec.name)
             served.check_admission()  # before the tensors are decoded: refusing must be cheap
+            if unary:
+                self._admit_answers(served, context)
             request, timeout_s = decode(served)
+            if unary:
+                self.outbox.owe(context, request_answer_bytes(served.spec, request))
             if span is not None:
                 request = dataclasses.replace(request, trace=span)
             # The RPC deadline cancels this call by itself; only a tighter timeout carried in the

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher, Servable
+from attnserve_server.edge.outbox import Outbox
 from attnserve_server.edge.registration import CallsInFlight, add_service
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
@@ -133,7 +134,8 @@ class GrpcFront:
             options.append(("grpc.max_connection_age_ms", round(s.max_connection_age_s * 1000)))
         self.server = grpc.aio.server(options=options)
         EndedCallLog.install()
-        self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window)
+        outbox = Outbox(s.max_unsent_bytes)
+        self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window, outbox)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).

@@ -174,7 +174,8 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
             return kserve.encode(served.spec, msg, decoded, answer, timing)
 
         deadline = self._dispatch.deadline(context)
-        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context)
+        unary = method == "ModelInfer"
+        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context, unary=unary)
 
     @unary_errors
     async def ModelInfer(self, request: Received[v2.ModelInferRequest], context) -> v2.ModelInferResponse | Frame:

@@ -53,7 +53,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         def decode(served: Servable):
             return request_from_proto(received, served.spec), None
 
-        return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context)
+        unary = method == "Attend"
+        return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context, unary=unary)
 
     @unary_errors
     async def Attend(self, request: Received[pb.AttendRequest], context: grpc.aio.ServicerContext) -> Frame:

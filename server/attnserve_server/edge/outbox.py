@@ -1,0 +1,71 @@
+"""Answers handed to gRPC and not yet received by their clients, by connection: a client that stops
+reading its answers is refused new requests before it makes the server hold more of them.
+
+gRPC holds a unary call's answer until HTTP/2 flow control lets its last byte out, which a client that
+sends requests and never reads never does: 200 requests asking for 8 MiB of weights each, from one such
+client, made the server hold 4.7 GiB for as long as the connection lived (BENCHMARKS.md, fifty-eighth
+pass). Here a unary call's answer counts, at the size its request asks for, from the request's admission
+until the call ends (gRPC's done callback comes once the answer's bytes have left, or once the call was
+cancelled or its connection closed): a burst of requests counts before any of it is computed.
+
+Once the answers owed on this process reach `limit`, a request is refused (RESOURCE_EXHAUSTED) if its
+connection is owed at least an even share of the limit among the connections owed any: the clients that
+hold the most are refused, and a client that reads its answers is served on. Stream answers are not
+counted: a stream reads no further than `stream_window` requests ahead of the answers it has sent.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from attnserve_server.errors import UnsentAnswers
+
+# What a call costs gRPC and the handler while it lasts, counted with its answer: 5,000 calls open at once
+# took 90 MiB (BENCHMARKS.md, fifty-eighth pass), so that many small answers are bounded too.
+CALL_BYTES = 16 << 10
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+class Outbox:
+    """Bytes of unary answers owed (being computed, or sent and not yet read), in all and per connection
+    (gRPC's peer address). Used on the event loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # 0: no limit, nothing counted
+        self.total = 0
+        self._held: dict[str, int] = {}  # peer -> bytes
+
+    def admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Raises UnsentAnswers when the process owes `limit` or more and this call's connection is owed
+        an even share of it or more."""
+        if self.total < self.limit or not self.limit:  # the usual case
+            return
+        peer = context.peer()
+        held = self._held.get(peer, 0)
+        if held and held >= self.limit / len(self._held):
+            raise UnsentAnswers(
+                f"answers: the server owes this connection {_size(held)} of answers (computing, or sent and not "
+                f"yet read by its client) and {_size(self.total)} to all, at its max_unsent_bytes "
+                f"{_size(self.limit)}: read the answers already sent before sending more requests"
+            )
+
+    def owe(self, context: grpc.aio.ServicerContext, answer_bytes: int) -> None:
+        """Counts this call's answer of `answer_bytes`, and the call itself, until the call ends."""
+        if not self.limit:
+            return
+        nbytes = answer_bytes + CALL_BYTES
+        peer = context.peer()
+        self._held[peer] = self._held.get(peer, 0) + nbytes
+        self.total += nbytes
+        context.add_done_callback(lambda _: self._release(peer, nbytes))
+
+    def _release(self, peer: str, nbytes: int) -> None:
+        self.total -= nbytes
+        left = self._held[peer] - nbytes
+        if left:
+            self._held[peer] = left
+        else:
+            del self._held[peer]
