@@ -44,46 +44,78 @@ async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]
 _LOST_STATUS = "Internal error from Core"
 
 
-class _FirstStatus:
-    """A done callback that keeps the status a call ended with first. grpc.aio sets the real status (the
-    server's trailers, or the deadline) and calls its done callbacks once; a write that failed after that
-    replaces it with INTERNAL. Python has no public way to read a status without awaiting, by when it may
-    have been replaced, so this reads the Cython call's own; where a grpcio lacks it, nothing is kept."""
+# How long a stream whose status grpc.aio lost waits for the real one to arrive from core, at most.
+_STATUS_WAIT_S = 0.1
 
-    __slots__ = ("code", "details")
+
+def _cython_status(call: Any) -> tuple[grpc.StatusCode, str] | None:
+    """The status the call holds now, read from the Cython call: Python has no public way to read it
+    without awaiting, by when grpc.aio may have replaced it. None when it is grpc.aio's own (lost, or its
+    own cancel of its writer), when there is none yet, or where a grpcio lacks these internals."""
+    try:
+        cython_call = call._cython_call
+        if cython_call.is_locally_cancelled():
+            return None
+        status = cython_call._status
+        if status is None:
+            return None
+        code, details = status_code_from_number(int(status.code())), str(status.details() or "")
+    except Exception:  # another grpcio's internals: the fallbacks still apply
+        return None
+    if code == grpc.StatusCode.OK or (code == grpc.StatusCode.INTERNAL and details == _LOST_STATUS):
+        return None
+    return code, details
+
+
+class _StreamStatus:
+    """The status a stream really ended with, where grpc.aio replaced it. grpc.aio calls its done callbacks
+    once, with the first status set: the real one (the server's trailers, or the deadline) if it came
+    first, which a failed write then replaces with INTERNAL, kept here; or the INTERNAL, the real one
+    arriving from core a moment later without a callback, which `real` waits for."""
+
+    __slots__ = ("first",)
 
     def __init__(self) -> None:
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
+        self.first: tuple[grpc.StatusCode, str] | None = None
 
-    def __call__(self, call: Any) -> None:
-        if self.code is not None:
-            return
+    def __call__(self, call: Any) -> None:  # the done callback
+        if self.first is None:
+            self.first = _cython_status(call)
+
+    async def real(self, call: Any) -> tuple[grpc.StatusCode, str] | None:
+        if self.first is not None:
+            return self.first
         try:
-            cython_call = call._cython_call
-            if cython_call.is_locally_cancelled():  # grpc.aio's own cancel of its writer: no status of the call's
-                return
-            status = cython_call._status
-            code, details = status_code_from_number(int(status.code())), str(status.details() or "")
-        except Exception:  # another grpcio's internals: the fallbacks below still apply
-            return
-        self.code, self.details = code, details
+            if call._cython_call.is_locally_cancelled():  # no status will come
+                return None
+        except Exception:
+            return None
+        waited = time.monotonic() + _STATUS_WAIT_S
+        while time.monotonic() < waited:
+            await asyncio.sleep(0.001)  # core's status, on its way to this loop
+            status = _cython_status(call)
+            if status is not None:
+                return status
+        return None
 
 
-def _lost_stream_status(exc: BaseException, deadline: float | None, first: _FirstStatus) -> AttnServeError | None:
-    """The error a stream that ended so really ended with, as far as the client can tell: the status it
-    ended with first, if that was kept and is an error; else DEADLINE_EXCEEDED once its deadline has passed
-    (grpc's timer and ours run on the same clock; ours started first); else INTERNAL, saying that the status
-    was lost. None for any other error (a real status, or a cancellation of the caller's own task), which is
-    raised as it is."""
+async def _lost_stream_status(
+    exc: BaseException, deadline: float | None, call: Any, status: _StreamStatus
+) -> AttnServeError | None:
+    """The error a stream that ended so really ended with, as far as the client can tell: its real status
+    if grpc.aio kept it or it arrives in _STATUS_WAIT_S; else DEADLINE_EXCEEDED once its deadline has
+    passed (grpc's timer and ours run on the same clock; ours started first); else INTERNAL, saying that
+    the status was lost. None for any other error (a real status, or a cancellation of the caller's own
+    task), which is raised as it is."""
     if isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         if task is None or task.cancelling():
             return None
     elif exc.code() != grpc.StatusCode.INTERNAL or exc.details() != _LOST_STATUS:  # type: ignore[union-attr]
         return None
-    if first.code is not None and first.code != grpc.StatusCode.OK:
-        return AttnServeError(first.code, first.details)
+    real = await status.real(call)
+    if real is not None:
+        return AttnServeError(*real)
     if deadline is not None and time.monotonic() >= deadline - 0.001:
         return AttnServeError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     return AttnServeError(
@@ -146,15 +178,15 @@ class AsyncClient:
         timeout = args["timeout"]
         deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
         call = self._stub.AttendStream(outgoing, **args)
-        first = _FirstStatus()
-        call.add_done_callback(first)
+        status = _StreamStatus()
+        call.add_done_callback(status)
         try:
             with translate_errors():
                 try:
                     async for msg in call:
                         yield decode_response(msg)
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-                    lost = _lost_stream_status(exc, deadline, first)
+                    lost = await _lost_stream_status(exc, deadline, call, status)
                     if lost is None:
                         raise
                     raise lost from None
