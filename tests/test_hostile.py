@@ -225,7 +225,7 @@ def test_a_taken_metrics_port_fails_at_start_up_in_one_line() -> None:
 
 
 class _NonReader:
-    """An HTTP/2 client that sends unary calls and opens no flow-control window: the server can send it
+    """An HTTP/2 client that sends gRPC calls and opens no flow-control window: the server can send it
     headers and trailers, never a byte of an answer, until `read_all` opens the windows."""
 
     def __init__(self, target: str) -> None:
@@ -240,12 +240,15 @@ class _NonReader:
         self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
         self.sock.sendall(self.h2.data_to_send())
         self.status: dict[int, str] = {}  # stream -> grpc-status, once its trailers came
-        self.answered: dict[int, int] = {}  # stream -> answer bytes received
+        self.received: dict[int, bytearray] = {}  # stream -> the bytes of its answers so far
 
-    def call(self, path: str, body: bytes) -> int:
+    def open(self, path: str) -> int:
         stream = self.h2.get_next_available_stream_id()
         headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "attnserve")]
         self.h2.send_headers(stream, [*headers, ("content-type", "application/grpc"), ("te", "trailers")])
+        return stream
+
+    def send(self, stream: int, body: bytes, end: bool = False) -> None:
         framed = memoryview(b"\0" + len(body).to_bytes(4, "big") + body)
         while framed:
             room = min(self.h2.local_flow_control_window(stream), self.h2.max_outbound_frame_size)
@@ -255,9 +258,25 @@ class _NonReader:
                 continue
             self.h2.send_data(stream, framed[:room].tobytes())
             framed = framed[room:]
-        self.h2.end_stream(stream)
+        if end:
+            self.h2.end_stream(stream)
         self.sock.sendall(self.h2.data_to_send())
+
+    def call(self, path: str, body: bytes) -> int:
+        stream = self.open(path)
+        self.send(stream, body, end=True)
         return stream
+
+    def messages(self, stream: int) -> list[bytes]:
+        """The gRPC messages received on `stream` so far."""
+        data, found = memoryview(self.received.get(stream, bytearray())), []
+        while len(data) >= 5:
+            size = int.from_bytes(data[1:5], "big")
+            if len(data) < 5 + size:
+                break
+            found.append(data[5 : 5 + size].tobytes())
+            data = data[5 + size :]
+        return found
 
     def receive_until(self, done) -> None:
         while not done():
@@ -274,7 +293,7 @@ class _NonReader:
                 if status is not None:
                     self.status[event.stream_id] = status.decode()
             elif isinstance(event, h2.events.DataReceived):
-                self.answered[event.stream_id] = self.answered.get(event.stream_id, 0) + len(event.data)
+                self.received.setdefault(event.stream_id, bytearray()).extend(event.data)
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         self.sock.sendall(self.h2.data_to_send())
 
@@ -286,16 +305,21 @@ class _NonReader:
         self.sock.sendall(self.h2.data_to_send())
 
 
+def _weights_request(length: int = 256) -> tuple[np.ndarray, bytes]:
+    """A query of `length` x 32 and its AttendRequest asking for per-head weights (4 x 256 x 256 float32:
+    1 MiB to answer at 256)."""
+    request = pb.AttendRequest(need_weights=True, average_weights=False)
+    q = np.ones((length, 32), "<f4")
+    request.query.dtype, request.query.data = pb.DATA_TYPE_FP32, q.tobytes()
+    request.query.shape[:] = q.shape
+    return q, request.SerializeToString()
+
+
 def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_holds_too_many() -> None:
     # Before, every request was computed and its answer held until the client read it: 200 requests for
     # 8 MiB of weights each, from one such client, made the server hold 4.7 GiB (BENCHMARKS.md, 58th pass).
-    limit = 4 << 20
-    request = pb.AttendRequest(need_weights=True, average_weights=False)  # 1 MiB of weights to answer
-    q = np.ones((256, 32), "<f4")
-    request.query.dtype, request.query.data = pb.DATA_TYPE_FP32, q.tobytes()
-    request.query.shape[:] = q.shape
-    body = request.SerializeToString()
-    with running(settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=limit)) as handle:
+    q, body = _weights_request()
+    with running(settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=4 << 20)) as handle:
         stalled = _NonReader(handle.target)
         try:
             streams = [stalled.call(ATTEND, body) for _ in range(10)]
@@ -306,17 +330,50 @@ def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_hold
             assert refused == streams[4:], (refused, streams)
             still_serving(handle.target)  # another connection is served meanwhile
             with Client(handle.target, timeout_s=10) as other:
-                assert other.attend(q, need_weights=True, average_weights=False).attention_weights.shape == (
-                    4,
-                    256,
-                    256,
-                )
+                weights = other.attend(q, need_weights=True, average_weights=False).attention_weights
+                assert weights.shape == (4, 256, 256)
             assert handle.sample("attnserve_dropped_requests_total", model="default", reason="unsent_answers") == 6
             stalled.read_all()  # the four answers go out, and the connection is served again
             stalled.receive_until(lambda: len(stalled.status) == 10)
-            assert all(stalled.status[s] == "0" and stalled.answered[s] > 1 << 20 for s in streams[:4])
+            for s in streams[:4]:
+                (answer,) = stalled.messages(s)
+                assert stalled.status[s] == "0"
+                assert len(pb.AttendResponse.FromString(answer).attention_weights.data) == 1 << 20
             again = stalled.call(ATTEND, body)
             stalled.receive_until(lambda: again in stalled.status)
             assert stalled.status[again] == "0"
+        finally:
+            stalled.sock.close()
+
+
+def test_a_stream_whose_client_never_reads_is_answered_refusals_in_band_past_the_limit() -> None:
+    # Before, a stream read `stream_window` (128) requests ahead and held every answer: four streams of
+    # 200 requests for 8 MiB of weights, none read, made the server hold 6 GiB (BENCHMARKS.md, 58th pass).
+    _, body = _weights_request()
+    with running(settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=4 << 20)) as handle:
+        stalled = _NonReader(handle.target)
+        try:
+            stream = stalled.open(ATTEND_STREAM)
+            for _ in range(10):
+                stalled.send(stream, body)
+
+            def dropped() -> float:
+                return handle.sample("attnserve_dropped_requests_total", model="default", reason="unsent_answers")
+
+            handle.wait_for(lambda: dropped() == 6)
+            still_serving(handle.target)
+            stalled.read_all()
+            stalled.receive_until(lambda: len(stalled.messages(stream)) == 10)
+            answers = [pb.AttendResponse.FromString(m) for m in stalled.messages(stream)]
+            ok = [a for a in answers if not a.HasField("error")]
+            assert len(ok) == 4 and all(len(a.attention_weights.data) == 1 << 20 for a in ok)
+            for a in answers:
+                if a.HasField("error"):
+                    assert a.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                    assert a.error.message.startswith("answers: the server owes this connection "), a.error.message
+            stalled.send(stream, body, end=True)  # read, the stream is served again
+            stalled.receive_until(lambda: stream in stalled.status)
+            assert stalled.status[stream] == "0" and len(stalled.messages(stream)) == 11
+            assert not pb.AttendResponse.FromString(stalled.messages(stream)[-1]).HasField("error")
         finally:
             stalled.sock.close()

@@ -20,6 +20,7 @@ import grpc
 
 from attnserve_server.batching import DEADLINE_SLACK_S
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, request_answer_bytes
+from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.outbox import Outbox
 from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, UnsentAnswers, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
@@ -117,7 +118,7 @@ class Dispatcher:
         self.models = models
         self.tracing = tracing
         self.stream_window = stream_window
-        self.outbox = Outbox(0) if outbox is None else outbox  # unary answers not yet read (edge/outbox.py)
+        self.outbox = Outbox(0) if outbox is None else outbox  # answers owed to connections (edge/outbox.py)
         self.default = next(iter(models))
         self._unknown = unknown_model_metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, once it handles a call
@@ -152,11 +153,33 @@ class Dispatcher:
         """A bidirectional stream's answers (see `answer_concurrently`); once the server stops and
         every request read has its answer, the stream ends UNAVAILABLE, which tells its client to
         open it again elsewhere."""
+        outbox = self.outbox
+        if not outbox.limit:
+            try:
+                async for response in answer_concurrently(messages, answer, self.closing, self.stream_window):
+                    yield response
+            except ShuttingDown as exc:
+                await context.abort(*caller_status(exc, "stream"))
+            return
+        # Each answer computed is owed to the connection, at its size on the wire, until it has gone out.
+        peer = context.peer()
+        unsent: dict[int, int] = {}  # id(answer) -> its bytes
+
+        async def owed(message: M) -> R:
+            response = await answer(message)
+            nbytes = unsent[id(response)] = response.size if type(response) is Frame else response.ByteSize()  # type: ignore[attr-defined]
+            outbox.owe(peer, nbytes)
+            return response
+
         try:
-            async for response in answer_concurrently(messages, answer, self.closing, self.stream_window):
-                yield response
+            async for response in answer_concurrently(messages, owed, self.closing, self.stream_window):
+                yield response  # resumed once it has gone out
+                outbox.release(peer, unsent.pop(id(response)))
         except ShuttingDown as exc:
             await context.abort(*caller_status(exc, "stream"))
+        finally:
+            if unsent:  # computed, and not sent: the stream ended first
+                outbox.release(peer, sum(unsent.values()))
 
     def _admit_answers(self, served: Servable, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -178,9 +201,9 @@ class Dispatcher:
     ) -> R:
         """One request, start to end, with its metrics; raises ServingError (or anything unexpected).
 
-        `unary`: the request is its call's only one (`context` given), whose answer the outbox counts
-        against the call's connection until the call ends, and refuses while that connection is owed
-        too much (edge/outbox.py).
+        With `context`, the outbox refuses the request while its connection is owed too much, and counts
+        its answer against the connection (edge/outbox.py): until the call ends when `unary` (the request
+        is its call's only one), else until it has been computed (`stream` counts it from then on).
 
         `deadline` is the call's (loop clock); a timeout the request carries (KServe's `timeout`
         parameter), counted from receipt, tightens it.
@@ -192,7 +215,7 @@ class Dispatcher:
         metrics = served.metrics if served is not None else self._unknown
         metrics.request_started()
         code = grpc.StatusCode.OK
-        span = answer = None
+        span = answer = owed = None
         if self.tracing is not None:
             metadata = context.invocation_metadata() if context is not None else None
             span = self.tracing.request_started(method, model or self.default, metadata)
@@ -201,11 +224,16 @@ class Dispatcher:
                 raise self._not_found(model)
             check_model_allowed(served.spec.name)
             served.check_admission()  # before the tensors are decoded: refusing must be cheap
-            if unary:
+            if context is not None:
                 self._admit_answers(served, context)
             request, timeout_s = decode(served)
-            if unary:
-                self.outbox.owe(context, request_answer_bytes(served.spec, request))
+            if context is not None and self.outbox.limit:
+                nbytes = request_answer_bytes(served.spec, request)
+                if unary:
+                    self.outbox.owe_call(context, nbytes)
+                else:
+                    owed = (context.peer(), nbytes)
+                    self.outbox.owe(*owed)
             if span is not None:
                 request = dataclasses.replace(request, trace=span)
             # The RPC deadline cancels this call by itself; only a tighter timeout carried in the
@@ -223,6 +251,8 @@ class Dispatcher:
             code = grpc.StatusCode[status_of(exc)[0]]
             raise
         finally:
+            if owed is not None:
+                self.outbox.release(*owed)
             metrics.request_done(method, code, time.perf_counter() - received)
             if span is not None:
                 self.tracing.request_done(span, code.name, received, answer.batch if answer is not None else None)  # type: ignore[union-attr]

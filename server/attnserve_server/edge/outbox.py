@@ -8,10 +8,14 @@ pass). Here a unary call's answer counts, at the size its request asks for, from
 until the call ends (gRPC's done callback comes once the answer's bytes have left, or once the call was
 cancelled or its connection closed): a burst of requests counts before any of it is computed.
 
-Once the answers owed on this process reach `limit`, a request is refused (RESOURCE_EXHAUSTED) if its
-connection is owed at least an even share of the limit among the connections owed any: the clients that
-hold the most are refused, and a client that reads its answers is served on. Stream answers are not
-counted: a stream reads no further than `stream_window` requests ahead of the answers it has sent.
+A stream's answers have no done callback each: one counts from its request's admission until it has been
+computed, then at its size on the wire until the stream has sent it (gRPC resumes the stream's handler
+once an answer has gone out). Four streams that sent 200 requests each and read nothing made the server
+hold 6 GiB before: their `stream_window` of 128 answers each.
+
+Once the answers owed on this process reach `limit`, a request is refused (RESOURCE_EXHAUSTED; in band on
+a stream) if its connection is owed at least an even share of the limit among the connections owed any:
+the clients that hold the most are refused, and a client that reads its answers is served on.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ def _size(n: float) -> str:
 
 
 class Outbox:
-    """Bytes of unary answers owed (being computed, or sent and not yet read), in all and per connection
-    (gRPC's peer address). Used on the event loop."""
+    """Bytes of answers owed (being computed, or sent and not yet read), in all and per connection (gRPC's
+    peer address). Used on the event loop."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # 0: no limit, nothing counted
@@ -52,17 +56,18 @@ class Outbox:
                 f"{_size(self.limit)}: read the answers already sent before sending more requests"
             )
 
-    def owe(self, context: grpc.aio.ServicerContext, answer_bytes: int) -> None:
-        """Counts this call's answer of `answer_bytes`, and the call itself, until the call ends."""
-        if not self.limit:
-            return
-        nbytes = answer_bytes + CALL_BYTES
-        peer = context.peer()
+    def owe_call(self, context: grpc.aio.ServicerContext, answer_bytes: int) -> None:
+        """A unary call's answer of `answer_bytes`, and the call itself: owed until the call ends."""
+        if self.limit:
+            peer, nbytes = context.peer(), answer_bytes + CALL_BYTES
+            self.owe(peer, nbytes)
+            context.add_done_callback(lambda _: self.release(peer, nbytes))
+
+    def owe(self, peer: str, nbytes: int) -> None:
         self._held[peer] = self._held.get(peer, 0) + nbytes
         self.total += nbytes
-        context.add_done_callback(lambda _: self._release(peer, nbytes))
 
-    def _release(self, peer: str, nbytes: int) -> None:
+    def release(self, peer: str, nbytes: int) -> None:
         self.total -= nbytes
         left = self._held[peer] - nbytes
         if left:
