@@ -135,8 +135,8 @@ class ServerSettings:
     # (runtime/watchdog.py); 0: never.
     worker_stall_s: float = 600.0
     max_message_bytes: int = 256 * 1024 * 1024
-    # Answers handed to gRPC and not yet received by their clients, per gRPC process: past it, the
-    # connections holding the most get RESOURCE_EXHAUSTED for new requests (edge/outbox.py); 0: no limit.
+    # Answers owed, from admission until they have gone out, per gRPC process: past it, the connections
+    # owed the most get RESOURCE_EXHAUSTED for new requests (edge/outbox.py); 0: no limit.
     max_unsent_bytes: int = 1 << 30
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
@@ -223,9 +223,9 @@ OPTIONS: tuple[Option, ...] = (
         "max-unsent-bytes",
         "server",
         int,
-        "answers computed and not yet read by their clients that a gRPC process holds; past it, new requests on"
-        " the connections holding the most are refused RESOURCE_EXHAUSTED until their clients read; 0: no limit"
-        " (default 1 GiB)",
+        "bytes of answers a gRPC process owes, from their requests' admission until they have gone out; past it,"
+        " new requests on the connections owed the most are refused RESOURCE_EXHAUSTED (in band on a stream)"
+        " until their clients read; 0: no limit (default 1 GiB)",
     ),
     Option(
         "stream-window",
