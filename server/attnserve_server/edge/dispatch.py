@@ -20,7 +20,7 @@ import grpc
 
 from attnserve_server.batching import DEADLINE_SLACK_S
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, request_answer_bytes
-from attnserve_server.edge.framing import Frame
+from attnserve_server.edge.framing import wire_size
 from attnserve_server.edge.outbox import Outbox
 from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, UnsentAnswers, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
@@ -153,28 +153,25 @@ class Dispatcher:
         """A bidirectional stream's answers (see `answer_concurrently`); once the server stops and
         every request read has its answer, the stream ends UNAVAILABLE, which tells its client to
         open it again elsewhere."""
-        outbox = self.outbox
-        if not outbox.limit:
-            try:
-                async for response in answer_concurrently(messages, answer, self.closing, self.stream_window):
-                    yield response
-            except ShuttingDown as exc:
-                await context.abort(*caller_status(exc, "stream"))
-            return
         # Each answer computed is owed to the connection, at its size on the wire, until it has gone out.
-        peer = context.peer()
+        outbox = self.outbox
+        counted = bool(outbox.limit)
+        peer = context.peer() if counted else ""
         unsent: dict[int, int] = {}  # id(answer) -> its bytes
 
         async def owed(message: M) -> R:
             response = await answer(message)
-            nbytes = unsent[id(response)] = response.size if type(response) is Frame else response.ByteSize()  # type: ignore[attr-defined]
+            nbytes = unsent[id(response)] = wire_size(response)
             outbox.owe(peer, nbytes)
             return response
 
         try:
-            async for response in answer_concurrently(messages, owed, self.closing, self.stream_window):
+            async for response in answer_concurrently(
+                messages, owed if counted else answer, self.closing, self.stream_window
+            ):
                 yield response  # resumed once it has gone out
-                outbox.release(peer, unsent.pop(id(response)))
+                if counted:
+                    outbox.release(peer, unsent.pop(id(response)))
         except ShuttingDown as exc:
             await context.abort(*caller_status(exc, "stream"))
         finally:

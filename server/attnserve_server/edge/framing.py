@@ -4,8 +4,8 @@ Set as a bytes field, an answer's bytes were copied into the message by upb, aga
 was serialized (into a buffer that grows by doubling, so once more per doubling), and once more into
 the bytes object gRPC sends. For a [256, 256] fp32 answer (256 KiB) upb's encoder took 14% of the
 event loop's busy time (py-spy, BENCHMARKS.md, twelfth pass). A `Frame` keeps a response's small
-fields serialized by protobuf and its tensors' bytes as references, and `join`s them once, when gRPC
-serializes the response (`registration.add_service`).
+fields serialized by protobuf and its tensors' bytes as references, and joins them once, when gRPC
+serializes the response (`take`, in `registration.add_service`).
 
 The wire format allows this: a message's fields may come in any order, a length-delimited field
 (bytes, or a nested message) is its tag, its length and its bytes, and a repeated field's entries
@@ -13,6 +13,8 @@ are read in the order they come. So a frame parses to the very message protobuf 
 """
 
 from __future__ import annotations
+
+from google.protobuf.message import Message
 
 # What a part may be: anything b"".join takes (collections.abc.Buffer from Python 3.12).
 Buffer = bytes | bytearray | memoryview
@@ -69,3 +71,8 @@ class Frame:
         data = b"".join(self._parts)
         self._parts = []
         return data
+
+
+def wire_size(response: Frame | Message) -> int:
+    """A response's length on the wire: a frame's, or a protobuf message's."""
+    return response.size if type(response) is Frame else response.ByteSize()  # type: ignore[union-attr]
