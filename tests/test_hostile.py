@@ -7,6 +7,7 @@ import concurrent.futures
 import socket
 import subprocess
 import sys
+import urllib.parse
 
 import grpc
 import numpy as np
@@ -240,6 +241,7 @@ class _NonReader:
         self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
         self.sock.sendall(self.h2.data_to_send())
         self.status: dict[int, str] = {}  # stream -> grpc-status, once its trailers came
+        self.messages_of_status: dict[int, str] = {}  # stream -> grpc-message, if its trailers had one
         self.received: dict[int, bytearray] = {}  # stream -> the bytes of its answers so far
 
     def open(self, path: str) -> int:
@@ -289,9 +291,12 @@ class _NonReader:
         assert data, "the server closed the connection"
         for event in self.h2.receive_data(data):
             if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
-                status = dict(event.headers).get(b"grpc-status")
+                headers = dict(event.headers)
+                status = headers.get(b"grpc-status")
                 if status is not None:
                     self.status[event.stream_id] = status.decode()
+                    message = urllib.parse.unquote(headers.get(b"grpc-message", b"").decode())
+                    self.messages_of_status[event.stream_id] = message
             elif isinstance(event, h2.events.DataReceived):
                 self.received.setdefault(event.stream_id, bytearray()).extend(event.data)
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
@@ -377,3 +382,28 @@ def test_a_stream_whose_client_never_reads_is_answered_refusals_in_band_past_the
             assert not pb.AttendResponse.FromString(stalled.messages(stream)[-1]).HasField("error")
         finally:
             stalled.sock.close()
+
+
+def test_many_connections_each_with_an_answer_unread_cannot_pile_up_answers_past_twice_the_limit() -> None:
+    # A connection owed nothing is served even past the limit (a reader is not refused for the others), so
+    # one non-reading connection after another each got its request computed: without bound, before.
+    _, body = _weights_request()  # about 1.05 MiB owed each: the eighth takes the server past 8 MiB
+    limited = settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=4 << 20, edge_processes=1)
+    with running(limited) as handle:
+        stalled = [_NonReader(handle.target) for _ in range(10)]
+        try:
+            calls = [(c, c.call(ATTEND, body)) for c in stalled]
+            handle.wait_for(
+                lambda: handle.sample("attnserve_dropped_requests_total", model="default", reason="unsent_answers") == 2
+            )
+            for c, call in calls:
+                c.read_all()
+                c.receive_until(lambda c=c, call=call: call in c.status)
+            statuses = sorted(c.status[call] for c, call in calls)
+            assert statuses == ["0"] * 8 + ["8"] * 2, statuses
+            refusals = [c.messages_of_status[call] for c, call in calls if c.status[call] == "8"]
+            assert all("twice its max_unsent_bytes 4.0 MiB" in m for m in refusals), refusals
+            still_serving(handle.target)
+        finally:
+            for c in stalled:
+                c.sock.close()

@@ -15,7 +15,9 @@ hold 6 GiB before: their `stream_window` of 128 answers each.
 
 Once the answers owed on this process reach `limit`, a request is refused (RESOURCE_EXHAUSTED; in band on
 a stream) if its connection is owed at least an even share of the limit among the connections owed any:
-the clients that hold the most are refused, and a client that reads its answers is served on.
+the clients that hold the most are refused, and a client that reads its answers is served on. A connection
+owed nothing is always served then, so that many connections, each with one answer unread, could still
+pile up answers without bound: at twice the limit every request is refused until answers go out.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class Outbox:
                 f"answers: the server owes this connection {_size(held)} of answers (computing, or sent and not "
                 f"yet read by its client) and {_size(self.total)} to all, at its max_unsent_bytes "
                 f"{_size(self.limit)}: read the answers already sent before sending more requests"
+            )
+        if self.total >= 2 * self.limit:
+            raise UnsentAnswers(
+                f"answers: the server owes {_size(self.total)} of answers (computing, or sent and not yet read) "
+                f"over {len(self._held)} connections, twice its max_unsent_bytes {_size(self.limit)}: it takes "
+                "no request until its clients read; retry later"
             )
 
     def owe_call(self, context: grpc.aio.ServicerContext, answer_bytes: int) -> None:
