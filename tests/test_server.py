@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import random
 import shutil
 import subprocess
 import threading
@@ -437,6 +438,43 @@ def test_a_stream_deadline_applies_to_every_request_in_it() -> None:
             lambda: handle.sample("attnserve_dropped_requests_total", model="default", reason="deadline_exceeded") == 2
         )
         assert handle.sample("attnserve_tokens_total", model="default") == 0
+
+
+def test_streams_that_end_while_their_requests_compute_leave_the_server_serving() -> None:
+    # A stream's requests are answered by tasks that outlive it a moment; reading the call's peer from one
+    # of them (to count its answer against the connection) crashed the server with a segmentation fault,
+    # every run of this test, before the peer was read once, when the stream started.
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+
+    async def one(c: AsyncClient) -> None:
+        requests = [Request(query=x(64, E), need_weights=True) for _ in range(64)]
+        try:
+            async for i, _ in aenumerate(c.attend_stream(requests, timeout_s=rng.choice([0.02, 0.05, 0.1, 0.2]))):
+                if i == 2 and rng.random() < 0.5:
+                    break  # the client walks away
+            outcome = "OK"
+        except AttnServeError as exc:
+            outcome = exc.code.name
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    async def main(target: str) -> None:
+        async with AsyncClient(target, retries=False) as c:
+            for _ in range(10):
+                await asyncio.gather(*(one(c) for _ in range(40)))
+
+    with running(settings(model(embed_dim=E, num_heads=4), edge_processes=1)) as handle:
+        asyncio.run(main(handle.target))
+        assert set(outcomes) <= {"OK", "DEADLINE_EXCEEDED"} and outcomes.get("DEADLINE_EXCEEDED", 0) > 0, outcomes
+        with Client(handle.target, timeout_s=30) as c:
+            assert c.attend(x(3, E)).output.shape == (3, E)
+
+
+async def aenumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
 
 
 def test_an_async_stream_whose_deadline_passes_as_it_sends_ends_deadline_exceeded(default_server: Running) -> None:

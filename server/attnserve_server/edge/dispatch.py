@@ -148,21 +148,31 @@ class Dispatcher:
         return None if remaining is None else self._running_loop().time() + remaining
 
     async def stream(
-        self, messages: AsyncIterator[M], answer: Callable[[M], Awaitable[R]], context: grpc.aio.ServicerContext
+        self,
+        messages: AsyncIterator[M],
+        answer: Callable[[M], Awaitable[R]],
+        context: grpc.aio.ServicerContext,
+        peer: str,
     ) -> AsyncIterator[R]:
         """A bidirectional stream's answers (see `answer_concurrently`); once the server stops and
         every request read has its answer, the stream ends UNAVAILABLE, which tells its client to
-        open it again elsewhere."""
+        open it again elsewhere.
+
+        `peer` is the call's, read when it started: the tasks that answer its messages may run a moment
+        after it ended, and gRPC's `context.peer()` then reads freed memory (a segmentation fault, seen)."""
         # Each answer computed is owed to the connection, at its size on the wire, until it has gone out.
         outbox = self.outbox
         counted = bool(outbox.limit)
-        peer = context.peer() if counted else ""
         unsent: dict[int, int] = {}  # id(answer) -> its bytes
+        ended = False
 
         async def owed(message: M) -> R:
             response = await answer(message)
-            nbytes = unsent[id(response)] = wire_size(response)
-            outbox.owe(peer, nbytes)
+            # An answer computed after the stream ended is never sent, and the stream's tasks outlive it a
+            # moment (answer_concurrently cancels them without waiting): nothing is owed for it.
+            if not ended:
+                nbytes = unsent[id(response)] = wire_size(response)
+                outbox.owe(peer, nbytes)
             return response
 
         try:
@@ -175,12 +185,13 @@ class Dispatcher:
         except ShuttingDown as exc:
             await context.abort(*caller_status(exc, "stream"))
         finally:
+            ended = True
             if unsent:  # computed, and not sent: the stream ended first
                 outbox.release(peer, sum(unsent.values()))
 
-    def _admit_answers(self, served: Servable, context: grpc.aio.ServicerContext) -> None:
+    def _admit_answers(self, served: Servable, peer: str) -> None:
         try:
-            self.outbox.admit(context)
+            self.outbox.admit(peer)
         except UnsentAnswers:
             served.metrics.dropped("unsent_answers")
             raise
@@ -194,13 +205,14 @@ class Dispatcher:
         encode: Encode[R],
         context: grpc.aio.ServicerContext | None = None,
         *,
-        unary: bool = False,
+        stream_peer: str | None = None,
     ) -> R:
         """One request, start to end, with its metrics; raises ServingError (or anything unexpected).
 
         With `context`, the outbox refuses the request while its connection is owed too much, and counts
-        its answer against the connection (edge/outbox.py): until the call ends when `unary` (the request
-        is its call's only one), else until it has been computed (`stream` counts it from then on).
+        its answer against the connection (edge/outbox.py): a unary call's until the call ends; a stream
+        message's (`stream_peer`: its stream's peer, read when the stream started) until it has been
+        computed (`stream` counts it from then on).
 
         `deadline` is the call's (loop clock); a timeout the request carries (KServe's `timeout`
         parameter), counted from receipt, tightens it.
@@ -221,15 +233,17 @@ class Dispatcher:
                 raise self._not_found(model)
             check_model_allowed(served.spec.name)
             served.check_admission()  # before the tensors are decoded: refusing must be cheap
-            if context is not None:
-                self._admit_answers(served, context)
-            request, timeout_s = decode(served)
+            peer = None
             if context is not None and self.outbox.limit:
+                peer = context.peer() if stream_peer is None else stream_peer
+                self._admit_answers(served, peer)
+            request, timeout_s = decode(served)
+            if peer is not None:
                 nbytes = request_answer_bytes(served.spec, request)
-                if unary:
-                    self.outbox.owe_call(context, nbytes)
+                if stream_peer is None:
+                    self.outbox.owe_call(context, peer, nbytes)  # type: ignore[arg-type]
                 else:
-                    owed = (context.peer(), nbytes)
+                    owed = (peer, nbytes)
                     self.outbox.owe(*owed)
             if span is not None:
                 request = dataclasses.replace(request, trace=span)

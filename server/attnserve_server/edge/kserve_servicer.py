@@ -152,7 +152,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
     # -- inference -------------------------------------------------------------------------
 
     async def _infer(
-        self, incoming: Received[v2.ModelInferRequest], method: str, context
+        self, incoming: Received[v2.ModelInferRequest], method: str, context, stream_peer: str | None = None
     ) -> v2.ModelInferResponse | Frame:
         msg = incoming.message
         decoded: kserve.Decoded | None = None
@@ -174,25 +174,25 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
             return kserve.encode(served.spec, msg, decoded, answer, timing)
 
         deadline = self._dispatch.deadline(context)
-        unary = method == "ModelInfer"
-        return await self._dispatch.handle(msg.model_name, method, deadline, decode, encode, context, unary=unary)
+        model = msg.model_name
+        return await self._dispatch.handle(model, method, deadline, decode, encode, context, stream_peer=stream_peer)
 
     @unary_errors
     async def ModelInfer(self, request: Received[v2.ModelInferRequest], context) -> v2.ModelInferResponse | Frame:
         return await self._infer(request, "ModelInfer", context)
 
     async def _infer_in_band(
-        self, received: Received[v2.ModelInferRequest] | Undecodable, context
+        self, received: Received[v2.ModelInferRequest] | Undecodable, context, peer: str
     ) -> v2.ModelStreamInferResponse | Frame:
         if isinstance(received, Undecodable):
-            note_undecodable(received, context.peer(), "ModelStreamInfer")
+            note_undecodable(received, peer, "ModelStreamInfer")
             failed = v2.ModelInferResponse()
             failed.parameters["error_code"].string_param = grpc.StatusCode.INVALID_ARGUMENT.name
             return v2.ModelStreamInferResponse(
                 error_message=f"{received.status_message}; no id to echo", infer_response=failed
             )
         try:
-            return kserve.stream_response(await self._infer(received, "ModelStreamInfer", context))
+            return kserve.stream_response(await self._infer(received, "ModelStreamInfer", context, peer))
         except Exception as exc:
             code, message = caller_status(exc, "ModelStreamInfer")
             msg = received.message
@@ -205,6 +205,9 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[Received[v2.ModelInferRequest] | Undecodable],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[v2.ModelStreamInferResponse | Frame]:
-        answers = self._dispatch.stream(request_iterator, lambda m: self._infer_in_band(m, context), context)
+        peer = context.peer()  # read while the call is alive: its messages' tasks may outlive it (dispatch.stream)
+        answers = self._dispatch.stream(
+            request_iterator, lambda m: self._infer_in_band(m, context, peer), context, peer
+        )
         async for response in answers:
             yield response

@@ -44,12 +44,11 @@ class Outbox:
         self.total = 0
         self._held: dict[str, int] = {}  # peer -> bytes
 
-    def admit(self, context: grpc.aio.ServicerContext) -> None:
-        """Raises UnsentAnswers when the process owes `limit` or more and this call's connection is owed
-        an even share of it or more."""
+    def admit(self, peer: str) -> None:
+        """Raises UnsentAnswers when the process owes `limit` or more and the connection `peer` is owed an
+        even share of it or more, or when it owes twice `limit`."""
         if self.total < self.limit or not self.limit:  # the usual case
             return
-        peer = context.peer()
         held = self._held.get(peer, 0)
         if held and held >= self.limit / len(self._held):
             raise UnsentAnswers(
@@ -64,10 +63,10 @@ class Outbox:
                 "no request until its clients read; retry later"
             )
 
-    def owe_call(self, context: grpc.aio.ServicerContext, answer_bytes: int) -> None:
-        """A unary call's answer of `answer_bytes`, and the call itself: owed until the call ends."""
+    def owe_call(self, context: grpc.aio.ServicerContext, peer: str, answer_bytes: int) -> None:
+        """A unary call's answer of `answer_bytes`, and the call itself, owed to `peer` until the call ends."""
         if self.limit:
-            peer, nbytes = context.peer(), answer_bytes + CALL_BYTES
+            nbytes = answer_bytes + CALL_BYTES
             self.owe(peer, nbytes)
             context.add_done_callback(lambda _: self.release(peer, nbytes))
 

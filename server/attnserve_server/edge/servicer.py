@@ -46,29 +46,35 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return encode
 
     async def _answer(
-        self, received: Received[pb.AttendRequest], method: str, deadline: float | None, context
+        self,
+        received: Received[pb.AttendRequest],
+        method: str,
+        deadline: float | None,
+        context,
+        stream_peer: str | None = None,
     ) -> Frame:
         msg = received.message
 
         def decode(served: Servable):
             return request_from_proto(received, served.spec), None
 
-        unary = method == "Attend"
-        return await self._dispatch.handle(msg.model, method, deadline, decode, self._encode(msg), context, unary=unary)
+        encode = self._encode(msg)
+        model = msg.model
+        return await self._dispatch.handle(model, method, deadline, decode, encode, context, stream_peer=stream_peer)
 
     @unary_errors
     async def Attend(self, request: Received[pb.AttendRequest], context: grpc.aio.ServicerContext) -> Frame:
         return await self._answer(request, "Attend", self._dispatch.deadline(context), context)
 
     async def _answer_in_band(
-        self, received: Received[pb.AttendRequest] | Undecodable, deadline: float | None, context
+        self, received: Received[pb.AttendRequest] | Undecodable, deadline: float | None, context, peer: str
     ):
         if isinstance(received, Undecodable):
-            note_undecodable(received, context.peer(), "AttendStream")
+            note_undecodable(received, peer, "AttendStream")
             status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=received.status_message)
             return pb.AttendResponse(error=status)  # no request id to echo: the message did not parse
         try:
-            return await self._answer(received, "AttendStream", deadline, context)
+            return await self._answer(received, "AttendStream", deadline, context, peer)
         except Exception as exc:
             code, message = caller_status(exc, "AttendStream")
             return pb.AttendResponse(
@@ -83,7 +89,10 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.AttendResponse | Frame]:
         deadline = self._dispatch.deadline(context)  # the stream's, for every message in it
-        answers = self._dispatch.stream(request_iterator, lambda m: self._answer_in_band(m, deadline, context), context)
+        peer = context.peer()  # read while the call is alive: its messages' tasks may outlive it (dispatch.stream)
+        answers = self._dispatch.stream(
+            request_iterator, lambda m: self._answer_in_band(m, deadline, context, peer), context, peer
+        )
         async for response in answers:
             yield response
 
