@@ -3,6 +3,7 @@ strings without bound, overload. Each answer is a precise status; the server kee
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import socket
 import subprocess
@@ -407,3 +408,31 @@ def test_many_connections_each_with_an_answer_unread_cannot_pile_up_answers_past
         finally:
             for c in stalled:
                 c.sock.close()
+
+
+def test_a_stop_waits_for_answers_to_go_out_and_says_so_when_a_client_never_reads_them() -> None:
+    # Before, the stop waited for handlers only: a unary answer not yet read was cancelled 1 s later, and the
+    # server still logged "every accepted request answered".
+    _, body = _weights_request()
+    served = settings(model(embed_dim=32, num_heads=4))
+    with running(served) as handle:
+        reader = _NonReader(handle.target)
+        try:
+            calls = [reader.call(ATTEND, body) for _ in range(2)]
+            handle.wait_for(lambda: handle.sample("attnserve_requests_total", model="default", method="Attend") == 2)
+            stopping = asyncio.run_coroutine_threadsafe(handle.server.stop(20.0), handle.loop)
+            reader.read_all()  # within the grace period: both answers go out, and the stop reports them sent
+            reader.receive_until(lambda: all(call in reader.status for call in calls))
+            assert [reader.status[call] for call in calls] == ["0", "0"]
+            assert stopping.result(30) is True
+        finally:
+            reader.sock.close()
+    with running(served) as handle:
+        stalled = _NonReader(handle.target)
+        try:
+            for _ in range(2):
+                stalled.call(ATTEND, body)
+            handle.wait_for(lambda: handle.sample("attnserve_requests_total", model="default", method="Attend") == 2)
+            assert handle.call(handle.server.stop(1.0)) is False  # their answers never went out
+        finally:
+            stalled.sock.close()

@@ -224,7 +224,7 @@ class AttnServer:
         # 2. A moment more of UNAVAILABLE answers for calls already on their way, then gRPC stops:
         #    the answers in flight go out within what is left of the grace period.
         if self._front is not None:
-            await self._front.stop(deadline)
+            results.append(await self._front.stop(deadline))
         if self.edges is not None:
             results.append(await self.edges.stop(deadline))
         drained = True

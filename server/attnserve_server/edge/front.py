@@ -186,17 +186,27 @@ class GrpcFront:
         await self.server.start()
         return self.port
 
-    async def stop(self, deadline: float) -> None:
+    async def stop(self, deadline: float) -> bool:
         """A moment more of UNAVAILABLE answers for calls already on their way (the models have
-        drained), then the calls still running until `deadline` (loop clock) at most (open streams
-        end UNAVAILABLE once their requests are answered), then gRPC stops, its last answers sent
-        within CLOSE_GRACE_S.
+        drained), then the calls still running and the answers not yet sent until `deadline` (loop
+        clock) at most (open streams end UNAVAILABLE once their requests are answered), then gRPC
+        stops, cancelling what is left within CLOSE_GRACE_S. Whether every call ended and every answer
+        went out in time (False: a client that does not read its answers, or keeps a stream busy).
 
         gRPC's own grace would also wait for every client to close its connection, which a client
         that ignores GOAWAY never does: the server would always take its whole grace to exit."""
         loop = asyncio.get_running_loop()
         self._dispatcher.closing.set()  # open streams end once their requests are answered
         await asyncio.sleep(min(SHUTDOWN_LINGER_S, max(0.0, deadline - loop.time())))
-        await self.calls.settled(deadline - loop.time())
+        settled = await self.calls.settled(deadline - loop.time())
+        outbox = self._dispatcher.outbox
+        sent = await outbox.sent(deadline - loop.time())  # answers computed go out to clients that read
+        if not (settled and sent):
+            log.warning(
+                "the grace period ran out with %d calls still in their handlers and %d bytes of answers not yet "
+                "read by %d connections: gRPC cancels them",
+                self.calls.count, outbox.total, outbox.connections,
+            )  # fmt: skip
         await self.server.stop(min(CLOSE_GRACE_S, max(0.0, deadline - loop.time())))
         self.shared_memory.close()
+        return settled and sent

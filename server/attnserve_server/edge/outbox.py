@@ -22,6 +22,8 @@ pile up answers without bound: at twice the limit every request is refused until
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from attnserve_server.errors import UnsentAnswers
@@ -43,6 +45,12 @@ class Outbox:
         self.limit = limit  # 0: no limit, nothing counted
         self.total = 0
         self._held: dict[str, int] = {}  # peer -> bytes
+        self._sent: asyncio.Event | None = None  # while `sent` waits
+
+    @property
+    def connections(self) -> int:
+        """How many connections are owed answers."""
+        return len(self._held)
 
     def admit(self, peer: str) -> None:
         """Raises UnsentAnswers when the process owes `limit` or more and the connection `peer` is owed an
@@ -81,3 +89,19 @@ class Outbox:
             self._held[peer] = left
         else:
             del self._held[peer]
+            if not self._held and self._sent is not None:
+                self._sent.set()
+
+    async def sent(self, timeout_s: float) -> bool:
+        """Waits until nothing is owed (True), or `timeout_s` (False): at shutdown, answers computed go
+        out to clients that read them within the grace period. Nothing is counted without a limit."""
+        if not self._held:
+            return True
+        self._sent = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._sent.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._sent = None

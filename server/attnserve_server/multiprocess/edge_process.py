@@ -339,11 +339,11 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
         await servicer.enter_graceful_shutdown()
         await front.server.stop(1.0)  # the UNAVAILABLE answers go out, then the port is let go
         return 1
-    await front.stop(loop.time() + grace_s)
+    done = await front.stop(loop.time() + grace_s)
     if tracing is not None:
         tracing.shutdown()
     engine.channel.close()  # type: ignore[union-attr]
-    return 0
+    return 0 if done else link.EXIT_GRACE_RAN_OUT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,9 +45,13 @@ FAILED = 12  # (FAILED, id, status code name, message)
 CANCELLED = 13  # (CANCELLED, id): dropped as asked; its region is free
 STATS_REPLY = 14  # (STATS_REPLY, id, {model: InferenceStats})
 STATE = 15  # (STATE, {model: ready}, serving): readiness and health
-STOP = 16  # (STOP, seconds left of the grace period): stop serving and exit
+STOP = 16  # (STOP, seconds left of the grace period): stop serving and exit (EXIT_GRACE_RAN_OUT, or 0)
 SHM_TABLE = 17  # (SHM_TABLE, version, {region name: (key, offset, byte_size)}): every edge's regions now
 SHM_REPLY = 18  # (SHM_REPLY, id, None, or (status name, message)): the SHM call's outcome
+
+# An edge's exit status when it stopped as asked, but the grace period ran out before every call it had
+# taken ended and every answer went out (front.GrpcFront.stop).
+EXIT_GRACE_RAN_OUT = 3
 
 _HEADER = struct.Struct("<I")
 ALIGN = ANSWER_ALIGN  # regions and the tensors in them start at multiples of this

@@ -286,7 +286,7 @@ class EdgeSupervisor:
             os.close(pidfd)
             code = edge.process.wait()
             edge.exited.set_result(code)
-            if code != 0 or not self._stopping:  # an edge asked to stop exits 0
+            if code not in (0, link.EXIT_GRACE_RAN_OUT) or not self._stopping:  # as asked to stop: 0, or 3
                 log.error("edge process %d (pid %d) exited with %d", edge.index, edge.process.pid, code)
 
         loop.add_reader(pidfd, exited)
@@ -349,8 +349,9 @@ class EdgeSupervisor:
 
     async def stop(self, deadline: float) -> bool:
         """Tells every edge to stop serving by `deadline` (loop clock) and waits for them to exit;
-        True if all did in time (a late one is killed). An exit status other than 0 is logged when
-        it happens (`_watch`), not reported here as a grace that ran out."""
+        True if all did in time (a late one is killed), each with every call it had taken ended and every
+        answer sent (exit 0, not EXIT_GRACE_RAN_OUT). Another exit status is logged when it happens
+        (`_watch`), not reported here as a grace that ran out."""
         self._stopping = True
         loop = asyncio.get_running_loop()
         for edge in self.edges:
@@ -366,4 +367,4 @@ class EdgeSupervisor:
         if self._reserved is not None:
             self._reserved.close()
         self.shared_memory.close()
-        return not late
+        return not late and all(e.exited.result() != link.EXIT_GRACE_RAN_OUT for e in self.edges)
