@@ -323,7 +323,7 @@ def _weights_request(length: int = 256) -> tuple[np.ndarray, bytes]:
 
 def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_holds_too_many() -> None:
     # Before, every request was computed and its answer held until the client read it: 200 requests for
-    # 8 MiB of weights each, from one such client, made the server hold 4.7 GiB (BENCHMARKS.md, 58th pass).
+    # 8 MiB of weights each, from one such client, grew the server to 5.5 GiB (BENCHMARKS.md, 58th pass).
     q, body = _weights_request()
     with running(settings(model(embed_dim=32, num_heads=4), max_unsent_bytes=4 << 20)) as handle:
         stalled = _NonReader(handle.target)

@@ -3,7 +3,7 @@ reading its answers is refused new requests before it makes the server hold more
 
 gRPC holds a unary call's answer until HTTP/2 flow control lets its last byte out, which a client that
 sends requests and never reads never does: 200 requests asking for 8 MiB of weights each, from one such
-client, made the server hold 4.7 GiB for as long as the connection lived (BENCHMARKS.md, fifty-eighth
+client, grew the server to 5.5 GiB resident for as long as the connection lived (BENCHMARKS.md, fifty-eighth
 pass). Here a unary call's answer counts, at the size its request asks for, from the request's admission
 until the call ends (gRPC's done callback comes once the answer's bytes have left, or once the call was
 cancelled or its connection closed): a burst of requests counts before any of it is computed.
