@@ -113,3 +113,21 @@ def test_kserves_framed_response_parses_as_the_message_protobuf_builds(request_i
     frame = kserve.encode(spec, msg, decoded, answer, timing)
     assert isinstance(frame, Frame)
     assert v2.ModelInferResponse.FromString(frame.join()) == expected
+
+
+def test_take_gives_the_bytes_and_lets_go_of_the_parts_while_the_frame_lives_on() -> None:
+    # gRPC keeps a unary call's response until its bytes have left: a frame that kept its parts kept every
+    # answer's tensors alive beside their joined copy for as long as a slow client took to read it.
+    import gc
+    import weakref
+
+    tensor = np.arange(4096, dtype=np.float32)
+    alive = weakref.ref(tensor)
+    frame = Frame(b"\x0a\x01x").add_bytes(5, memoryview(tensor).cast("B"))
+    expected = frame.join()
+    del tensor
+    gc.collect()
+    assert alive() is not None  # the frame holds it
+    assert frame.take() == expected
+    gc.collect()
+    assert alive() is None and frame.size == len(expected)

@@ -99,12 +99,6 @@ def answer_bytes(spec: ModelSpec, sequences: int, query_len: int, key_len: int, 
     return elements * spec.dtype.itemsize
 
 
-def request_answer_bytes(spec: ModelSpec, request: AttentionRequest) -> int:
-    """`answer_bytes` of a request's answer."""
-    heads = weight_heads(spec, request.need_weights, request.average_weights)
-    return answer_bytes(spec, request.sequences, request.query_len, request.key_len, heads)
-
-
 # An edge process's arena regions, and the tensors in them, start at multiples of this many bytes; so
 # do an answer's weights in its room (AnswerRoom), after its output.
 ANSWER_ALIGN = 64
@@ -205,6 +199,7 @@ class AttentionRequest:
     # Where its answer should end up (an edge process's arena): the worker writes it there when it fits
     # and the room is still open (Answer.in_place).
     answer_into: AnswerRoom | None = None
+    answer_bytes: int = 0  # answer_bytes(): its answer's tensors, as the edge counts them (edge/outbox.py)
 
     @property
     def sequences(self) -> int:
@@ -242,6 +237,7 @@ class AttentionRequest:
             self.nbytes,
             self.memory_bytes,
             self.trace,
+            answer_bytes=self.answer_bytes,
         )
 
 

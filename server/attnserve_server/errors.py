@@ -130,6 +130,11 @@ def shape_text(shape) -> str:
     return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, …] ({len(dims)} dimensions)"
 
 
+def size_text(nbytes: float) -> str:
+    """A number of bytes for a message: in MiB, or in KiB below one MiB."""
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
+
+
 def status_of(exc: BaseException) -> tuple[str, str]:
     """The (status name, message) a caller sees for an exception; unexpected ones are INTERNAL."""
     if isinstance(exc, ServingError):

@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import grpc
 
 from attnserve_server.batching import DEADLINE_SLACK_S
-from attnserve_server.domain import Answer, AttentionRequest, ModelSpec, request_answer_bytes
+from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
 from attnserve_server.edge.framing import wire_size
 from attnserve_server.edge.outbox import Outbox
 from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, UnsentAnswers, clip, status_of
@@ -239,11 +239,10 @@ class Dispatcher:
                 self._admit_answers(served, peer)
             request, timeout_s = decode(served)
             if peer is not None:
-                nbytes = request_answer_bytes(served.spec, request)
                 if stream_peer is None:
-                    self.outbox.owe_call(context, peer, nbytes)  # type: ignore[arg-type]
+                    self.outbox.owe_call(context, peer, request.answer_bytes)  # type: ignore[arg-type]
                 else:
-                    owed = (peer, nbytes)
+                    owed = (peer, request.answer_bytes)
                     self.outbox.owe(*owed)
             if span is not None:
                 request = dataclasses.replace(request, trace=span)

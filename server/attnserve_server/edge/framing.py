@@ -68,7 +68,7 @@ class Frame:
     def take(self) -> bytes:
         """As `join`, and lets go of the parts: gRPC keeps the frame it is sending until its last byte
         has left, and a client slow to read would make the server hold each answer's tensors twice."""
-        data = b"".join(self._parts)
+        data = self.join()
         self._parts = []
         return data
 

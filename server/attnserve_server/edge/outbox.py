@@ -26,15 +26,11 @@ import asyncio
 
 import grpc
 
-from attnserve_server.errors import UnsentAnswers
+from attnserve_server.errors import UnsentAnswers, size_text
 
 # What a call costs gRPC and the handler while it lasts, counted with its answer: 5,000 calls open at once
 # took 90 MiB (BENCHMARKS.md, fifty-eighth pass), so that many small answers are bounded too.
 CALL_BYTES = 16 << 10
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 class Outbox:
@@ -60,14 +56,14 @@ class Outbox:
         held = self._held.get(peer, 0)
         if held and held >= self.limit / len(self._held):
             raise UnsentAnswers(
-                f"answers: the server owes this connection {_size(held)} of answers (computing, or sent and not "
-                f"yet read by its client) and {_size(self.total)} to all, at its max_unsent_bytes "
-                f"{_size(self.limit)}: read the answers already sent before sending more requests"
+                f"answers: the server owes this connection {size_text(held)} of answers (computing, or sent and not "
+                f"yet read by its client) and {size_text(self.total)} to all, at its max_unsent_bytes "
+                f"{size_text(self.limit)}: read the answers already sent before sending more requests"
             )
         if self.total >= 2 * self.limit:
             raise UnsentAnswers(
-                f"answers: the server owes {_size(self.total)} of answers (computing, or sent and not yet read) "
-                f"over {len(self._held)} connections, twice its max_unsent_bytes {_size(self.limit)}: it takes "
+                f"answers: the server owes {size_text(self.total)} of answers (computing, or sent and not yet read) "
+                f"over {len(self._held)} connections, twice its max_unsent_bytes {size_text(self.limit)}: it takes "
                 "no request until its clients read; retry later"
             )
 

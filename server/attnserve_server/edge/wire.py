@@ -27,7 +27,7 @@ from attnserve_server.domain import (
     compute_bytes,
     weight_heads,
 )
-from attnserve_server.errors import InvalidArgument, clip, shape_text
+from attnserve_server.errors import InvalidArgument, clip, shape_text, size_text
 
 _WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
 
@@ -206,7 +206,7 @@ def build_request(
                 f"key_padding_mask: with causal=true key 0 must stay visible (query 0 sees only key 0); "
                 f"sequence {seq} masks it"
             )
-    memory = _check_memory(spec, batch, length, keys, need_weights, average_weights)
+    memory, answer = _check_memory(spec, batch, length, keys, need_weights, average_weights)
     nbytes = len(query.data) + (0 if padding is None else padding.size)
     if key is not None:
         nbytes += len(key.data) + (0 if value is key or value is None else len(value.data))
@@ -221,6 +221,7 @@ def build_request(
         unbatched=rank == 2,
         nbytes=nbytes,
         memory_bytes=memory,
+        answer_bytes=answer,
     )
 
 
@@ -261,28 +262,26 @@ class Known:
         )
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-
-
-def _check_memory(spec: ModelSpec, batch: int, length: int, keys: int, need_weights: bool, average: bool) -> int:
+def _check_memory(
+    spec: ModelSpec, batch: int, length: int, keys: int, need_weights: bool, average: bool
+) -> tuple[int, int]:
     """Refuses, before any compute, a request whose answer cannot be sent or whose computation would
-    not fit the model's batch memory budget; returns its compute memory estimate."""
+    not fit the model's batch memory budget; returns its compute memory estimate and its answer's bytes."""
     heads = weight_heads(spec, need_weights, average)
     answer = answer_bytes(spec, batch, length, keys, heads)
     if answer + ANSWER_OVERHEAD_BYTES > spec.max_answer_bytes:
         weights = answer - answer_bytes(spec, batch, length, keys, 0)
         hint = "; ask for averaged weights, or send fewer or shorter sequences" if heads else ""
         raise InvalidArgument(
-            f"query.shape: the answer would be {_size(answer)} (weights {_size(weights)}) and up to "
-            f"{_size(ANSWER_OVERHEAD_BYTES)} of names, shapes and framing, over the server's max_message_bytes "
-            f"{_size(spec.max_answer_bytes)}{hint}"
+            f"query.shape: the answer would be {size_text(answer)} (weights {size_text(weights)}) and up to "
+            f"{size_text(ANSWER_OVERHEAD_BYTES)} of names, shapes and framing, over the server's max_message_bytes "
+            f"{size_text(spec.max_answer_bytes)}{hint}"
         )
     memory = compute_bytes(spec, batch, length, keys, need_weights)
     if memory > spec.max_batch_memory_bytes:
         raise InvalidArgument(
             f"query.shape: computing {batch} x {length} queries against {keys} keys"
-            f"{' with weights' if need_weights else ''} takes about {_size(memory)}, over model {spec.name!r} "
-            f"max_batch_memory_bytes {_size(spec.max_batch_memory_bytes)}"
+            f"{' with weights' if need_weights else ''} takes about {size_text(memory)}, over model {spec.name!r} "
+            f"max_batch_memory_bytes {size_text(spec.max_batch_memory_bytes)}"
         )
-    return memory
+    return memory, answer
