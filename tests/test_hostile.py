@@ -437,3 +437,42 @@ def test_a_stop_waits_for_answers_to_go_out_and_says_so_when_a_client_never_read
             assert handle.call(handle.server.stop(1.0)) is False  # their answers never went out
         finally:
             stalled.sock.close()
+
+
+def compressed_unary(target: str, body: bytes, compression: grpc.Compression) -> tuple[grpc.StatusCode, str, bytes]:
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", -1)]) as channel:
+        call = channel.unary_unary(ATTEND, request_serializer=None, response_deserializer=None)
+        try:
+            return grpc.StatusCode.OK, "", call(body, timeout=10, compression=compression)
+        except grpc.RpcError as err:
+            return err.code(), err.details(), b""
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate], ids=["gzip", "deflate"])
+def test_compressed_requests_are_refused_unless_accepted(
+    default_server: Running, compression: grpc.Compression
+) -> None:
+    # gRPC inflates a compressed message whole before the server sees it: a message of zeros a
+    # thousandth of max_message_bytes on the wire would cost all of it. Off unless asked for.
+    code, details, _ = compressed_unary(default_server.target, attend_bytes(), compression)
+    assert code == grpc.StatusCode.UNIMPLEMENTED, (code, details)
+    assert "is disabled" in details, details
+    still_serving(default_server.target)
+
+
+def test_accepted_compression_answers_as_uncompressed_and_inflates_no_more_than_max_message_bytes() -> None:
+    limit = 1 << 20
+    with running(settings(model(embed_dim=32, num_heads=4), accept_compression="gzip", max_message_bytes=limit)) as h:
+        plain = compressed_unary(h.target, attend_bytes(), grpc.Compression.NoCompression)
+        gzip = compressed_unary(h.target, attend_bytes(), grpc.Compression.Gzip)
+        assert plain[0] == gzip[0] == grpc.StatusCode.OK, (plain, gzip)
+        assert pb.AttendResponse.FromString(gzip[2]).output == pb.AttendResponse.FromString(plain[2]).output
+        # Deflate was not named: still refused.
+        assert compressed_unary(h.target, attend_bytes(), grpc.Compression.Deflate)[0] == grpc.StatusCode.UNIMPLEMENTED
+        # 4 MiB of zeros, a few KiB compressed: refused while inflating, at max_message_bytes.
+        bomb = pb.AttendRequest()
+        bomb.query.dtype, bomb.query.data = pb.DATA_TYPE_FP32, bytes(4 * limit)
+        bomb.query.shape[:] = (limit // 32, 32)
+        code, details, _ = compressed_unary(h.target, bomb.SerializeToString(), grpc.Compression.Gzip)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        still_serving(h.target)

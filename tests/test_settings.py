@@ -85,6 +85,7 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_LINGER_MACS": "-1"}, "batching.linger_macs: expected >= 0, got -1"),
         ({"ATTNSERVE_MAX_LINGER_MS": "nan"}, "batching.max_linger_ms: expected >= 0, got nan"),
         ({"ATTNSERVE_STREAM_WINDOW": "0"}, "stream_window: expected >= 1, got 0"),
+        ({"ATTNSERVE_ACCEPT_COMPRESSION": "gzip,br"}, "accept_compression: expected gzip, deflate, a comma list"),
         ({"ATTNSERVE_MAX_CONNECTION_AGE_S": "-1"}, "max_connection_age_s: expected >= 0, got -1.0"),
         ({"ATTNSERVE_KEEPALIVE_S": "inf"}, "keepalive_s: expected >= 0, got inf"),
         ({"ATTNSERVE_CLIENT_PING_MIN_S": "-2"}, "client_ping_min_s: expected >= 0, got -2.0"),

@@ -138,6 +138,10 @@ class ServerSettings:
     # Answers owed, from admission until they have gone out, per gRPC process: past it, the connections
     # owed the most get RESOURCE_EXHAUSTED for new requests (edge/outbox.py); 0: no limit.
     max_unsent_bytes: int = 1 << 30
+    # Compressed requests gRPC may take: "" (none), or a comma list of gzip and deflate. gRPC inflates a
+    # message whole before the server sees it, so each compressed one may cost max_message_bytes of memory
+    # for a thousandth of it on the wire.
+    accept_compression: str = ""
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
     # Each client connection is closed after about this long (gRPC's GOAWAY; calls in progress finish),
@@ -226,6 +230,14 @@ OPTIONS: tuple[Option, ...] = (
         "bytes of answers a gRPC process owes, from their requests' admission until they have gone out; past it,"
         " new requests on the connections owed the most are refused RESOURCE_EXHAUSTED (in band on a stream)"
         " until their clients read; 0: no limit (default 1 GiB)",
+    ),
+    Option(
+        "accept-compression",
+        "server",
+        str,
+        "compressed requests accepted: gzip, deflate, a comma list of both, or '' (default: none; a compressed"
+        " request is refused UNIMPLEMENTED). gRPC inflates each whole, up to --max-message-bytes, before the"
+        " server sees it: a few KiB on the wire can cost that much memory",
     ),
     Option(
         "stream-window",
@@ -629,6 +641,9 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(settings.max_unsent_bytes >= 0, f"max_unsent_bytes: expected >= 0, got {settings.max_unsent_bytes}")
+    unknown = sorted(set(compression_names(settings.accept_compression)) - set(COMPRESSION_ALGORITHMS))
+    got = unknown[0] if unknown else ""
+    _check(not unknown, f"accept_compression: expected gzip, deflate, a comma list of both or '', got {got!r}")
     _check(settings.stream_window >= 1, f"stream_window: expected >= 1, got {settings.stream_window}")
     for name in ("max_connection_age_s", "keepalive_s", "client_ping_min_s"):
         value = getattr(settings, name)
@@ -710,6 +725,21 @@ def validate(settings: ServerSettings) -> None:
         )
         _check(w.format == "random" or bool(w.path), f"{at}.weights.path: format {w.format!r} needs a file")
         _check(w.format != "bert" or bool(w.prefix), f"{at}.weights.prefix: format 'bert' needs a key prefix")
+
+
+# gRPC's compression algorithms by name: their bits in grpc.compression_enabled_algorithms_bitset
+# (grpc_compression_algorithm: 0 identity, 1 deflate, 2 gzip).
+COMPRESSION_ALGORITHMS = {"deflate": 1, "gzip": 2}
+
+
+def compression_names(accept: str) -> tuple[str, ...]:
+    """`accept_compression` as names, in the order given."""
+    return tuple(name.strip() for name in accept.split(",") if name.strip())
+
+
+def compression_bitset(accept: str) -> int:
+    """grpc.compression_enabled_algorithms_bitset for `accept_compression`: identity, and the names."""
+    return 1 | sum(1 << COMPRESSION_ALGORITHMS[name] for name in set(compression_names(accept)))
 
 
 def optional_inputs_kept(m: ModelSettings) -> tuple[str, ...] | None:

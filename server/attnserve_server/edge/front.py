@@ -29,7 +29,7 @@ from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import ModelMetrics
 from attnserve_server.protocol import open_inference_pb2
 from attnserve_server.security import ReloadingTLS, token_auth
-from attnserve_server.settings import ServerSettings
+from attnserve_server.settings import ServerSettings, compression_bitset
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class GrpcFront:
             # Clients' keepalive pings are welcome every client_ping_min_s, with or without calls.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", round(s.client_ping_min_s * 1000)),
+            # Uncompressed messages always; compressed ones only as accept_compression names.
+            ("grpc.compression_enabled_algorithms_bitset", compression_bitset(s.accept_compression)),
         ]
         if s.keepalive_s > 0:
             # The server's own pings, as long as a connection lives (gRPC stops after two without data).
