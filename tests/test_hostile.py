@@ -476,3 +476,73 @@ def test_accepted_compression_answers_as_uncompressed_and_inflates_no_more_than_
         code, details, _ = compressed_unary(h.target, bomb.SerializeToString(), grpc.Compression.Gzip)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
         still_serving(h.target)
+
+
+LONG_ID = "x" * (300 << 10)
+
+
+def _infer(**fields) -> v2.ModelInferRequest:
+    return v2.ModelInferRequest(model_name="default", **fields)
+
+
+def _with_params(msg, count: int):
+    for i in range(count):
+        msg.parameters[f"p{i}"].bool_param = True
+    return msg
+
+
+# Each is refused by a count before any entry is read: reading two million empty inputs one by one held
+# the event loop (every other client) for 4.7 s; a shape of 20 million dims, 2.7 s; a million parameters, 1.2 s.
+@pytest.mark.parametrize(
+    ("method", "request_message", "says"),
+    [
+        # Large: scanned even while the server's parser parses small messages whole (payload.Parser's back-off).
+        (MODEL_INFER, _infer(inputs=[{"name": "query"}] * 300, id=LONG_ID), "(more than 256 fields in one message;"),
+        (MODEL_INFER, _infer(inputs=[{"name": "query"}] * 7), "inputs: expected at most 6 (query, key_value,"),
+        (MODEL_INFER, _infer(outputs=[{"name": "output"}] * 3), "outputs: expected at most 2 (output, attention"),
+        (MODEL_INFER, _with_params(_infer(), 7), "parameters: expected at most 6 (causal, need_weights,"),
+        (
+            MODEL_INFER,
+            _infer(inputs=[_with_params(v2.ModelInferRequest.InferInputTensor(name="query"), 4)]),
+            "inputs[0].parameters: expected at most 3 (shared_memory_region,",
+        ),
+        (
+            MODEL_INFER,
+            _infer(inputs=[{"name": "query", "datatype": "FP32", "shape": [1] * 9}]),
+            "inputs[0].shape (input 'query'): expected at most 3 dimensions, got [1, 1, 1, 1, 1, 1, 1, 1, …] (9 dim",
+        ),
+        (
+            ATTEND,
+            pb.AttendRequest(query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[1] * 9)),
+            "query.shape: expected at most 3 dimensions, got [1, 1, 1, 1, 1, 1, 1, 1, …] (9 dimensions)",
+        ),
+        (
+            ATTEND,
+            pb.AttendRequest(query=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[1] * 20000), request_id=LONG_ID),
+            "request: not a valid attnserve.v1.AttendRequest message (query: a tensor with 19.5 KiB besides its",
+        ),
+        (
+            MODEL_INFER,
+            _infer(inputs=[{"name": "query", "datatype": "FP32", "shape": [1] * 20000}], id=LONG_ID),
+            "request: not a valid inference.ModelInferRequest message (inputs: a tensor with 19.5 KiB besides its",
+        ),
+    ],
+    ids=[
+        "300-inputs",
+        "7-inputs",
+        "3-outputs",
+        "7-parameters",
+        "input-parameters",
+        "kserve-9-dims",
+        "9-dims",
+        "20000-dims",
+        "kserve-20000-dims",
+    ],
+)
+def test_counts_past_any_request_are_refused_before_their_entries_are_read(
+    default_server: Running, method: str, request_message, says: str
+) -> None:
+    code, details = raw_unary(default_server.target, method, request_message.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert says in details, details
+    still_serving(default_server.target)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
@@ -133,10 +135,8 @@ def _tensor_field(name: str, tensor: pb.Tensor) -> bytes:
         _tensor_field("query", pb.Tensor(data=b"abc"))[:-1],
         # the tensor field with a varint where bytes belong
         varint(3 << 3 | 0) + varint(5),
-        # a group (wire types 3 and 4)
-        varint(3 << 3 | 3) + varint(3 << 3 | 4),
     ],
-    ids=["tensor-twice", "truncated-tensor", "wrong-wire-type", "group"],
+    ids=["tensor-twice", "truncated-tensor", "wrong-wire-type"],
 )
 def test_what_the_scanner_does_not_expect_is_left_to_protobuf(data: bytes) -> None:
     assert payload.split(data, NATIVE_FIELDS) is None
@@ -149,6 +149,34 @@ def test_what_the_scanner_does_not_expect_is_left_to_protobuf(data: bytes) -> No
     else:
         received = payload.parse(pb.AttendRequest, big, NATIVE_FIELDS)
         assert received.views == {} and received.message == expected
+
+
+def _many_fields(count: int) -> bytes:
+    return b"".join(varint(1 << 3 | 2) + varint(1) + b"m" for _ in range(count))  # `model`, sent again and again
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (varint(3 << 3 | 3) + varint(3 << 3 | 4), "query: a group (wire type 3); no request has one"),
+        (_many_fields(payload.MAX_SCANNED_FIELDS + 1), "more than 256 fields in one message"),
+        # a shape of 20,000 dimensions: protobuf would parse a 190 MB one for 3.7 s
+        (_tensor_field("query", pb.Tensor(shape=[1] * 20000, data=b"abcd")), "query: a tensor with 19.5 KiB besides"),
+        (_tensor_field("key", pb.Tensor(shape=[1] * 20000)), "key: a tensor with 19.5 KiB besides its data"),
+        # after something that would leave the message to protobuf, the rest is still checked
+        (varint(3 << 3 | 0) + varint(5) + _tensor_field("value", pb.Tensor(shape=[1] * 20000)), "value: a tensor"),
+        (_tensor_field("query", pb.Tensor(data=b"a")) * 2 + _many_fields(300), "more than 256 fields"),
+    ],
+    ids=["group", "too-many-fields", "long-shape", "long-shape-no-data", "after-wrong-wire-type", "after-twice"],
+)
+def test_what_no_request_can_be_is_refused_unparsed(data: bytes, says: str) -> None:
+    pb.AttendRequest.FromString(data)  # protobuf would parse it all (a group as an unknown field)
+    with pytest.raises(payload.Refused):  # its field by number: split does not know the message's type
+        payload.split(data, NATIVE_FIELDS)
+    with pytest.raises(DecodeError, match=re.escape(says)):
+        payload.Parser(pb.AttendRequest, NATIVE_FIELDS, "request_id")(data)
+    fits = _many_fields(payload.MAX_SCANNED_FIELDS) + _tensor_field("query", pb.Tensor(shape=[1] * 8, data=b"a"))
+    assert payload.split(fits[len(_many_fields(1)) :], NATIVE_FIELDS) is not None
 
 
 def test_data_twice_in_one_tensor_is_left_to_protobuf() -> None:

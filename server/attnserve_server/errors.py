@@ -125,9 +125,11 @@ def clip(text: str, limit: int = 64, quote: bool = True) -> str:
 
 
 def shape_text(shape) -> str:
-    """A client-supplied shape for a message: at most 8 dimensions shown."""
-    dims = list(shape)
-    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, …] ({len(dims)} dimensions)"
+    """A client-supplied shape for a message: at most 8 dimensions shown (and read: a shape of millions
+    costs no more than one of 8)."""
+    count = len(shape)
+    dims = list(shape[:8])
+    return str(dims) if count <= 8 else f"[{', '.join(map(str, dims))}, …] ({count} dimensions)"
 
 
 def size_text(nbytes: float) -> str:

@@ -7,7 +7,7 @@ from attnserve_server import dtypes
 from attnserve_server.domain import Answer, AttentionRequest, ModelKind, ModelSpec
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Fields, Received
-from attnserve_server.edge.wire import INPUT_NAMES, Known, WireTensor, build_request
+from attnserve_server.edge.wire import INPUT_NAMES, Known, WireTensor, build_request, read_shape
 
 # attnserve.v1 DataType <-> the wire name (DATA_TYPE_FP32 <-> FP32); unknown numbers read as <n>.
 _NAMES = {v: pb.DataType.Name(v).removeprefix("DATA_TYPE_") for v in pb.DataType.values()}
@@ -38,7 +38,7 @@ def request_from_proto(received: Received[pb.AttendRequest], spec: ModelSpec) ->
         if msg.HasField(name):
             t = getattr(msg, name)
             data = views[number][0] if number in views else t.data
-            tensors[name] = WireTensor(dtype_name(t.dtype), tuple(t.shape), data, f"{name}.data")
+            tensors[name] = WireTensor(dtype_name(t.dtype), read_shape(t.shape, f"{name}.shape"), data, f"{name}.data")
     request = build_request(
         spec, tensors, causal=msg.causal, need_weights=msg.need_weights, average_weights=msg.average_weights
     )

@@ -26,9 +26,9 @@ from attnserve_server.domain import (
     weight_heads,
 )
 from attnserve_server.edge.framing import Frame
-from attnserve_server.edge.payload import Fields, Received
+from attnserve_server.edge.payload import Fields, Kept, Received
 from attnserve_server.edge.shared_memory import OFF, Region, SharedMemoryRegistry
-from attnserve_server.edge.wire import Known, WireTensor, build_request
+from attnserve_server.edge.wire import INPUT_NAMES, Known, WireTensor, build_request, read_shape
 from attnserve_server.errors import InvalidArgument, ModelNotFound, clip, shape_text
 from attnserve_server.metrics import Duration, InferenceStats
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -37,6 +37,7 @@ from attnserve_server.settings import ModelSettings
 VERSION = "1"  # attnserve serves one version of each model
 PLATFORM = "attnserve"
 OUTPUT, WEIGHTS = "output", "attention_weights"
+_OUTPUTS = (OUTPUT, WEIGHTS)
 FLAGS = ("causal", "need_weights", "average_weights")
 TIMEOUT = "timeout"  # Triton's per-request timeout, microseconds: a deadline
 # Parameters Triton's clients send that change nothing here: one queue priority, and
@@ -96,6 +97,20 @@ def _timeout_s(msg: v2.ModelInferRequest) -> float | None:
 _READ = (*FLAGS, TIMEOUT, *IGNORED)
 
 
+def _check_counts(msg: v2.ModelInferRequest) -> None:
+    """Refuses a request with more parameters, inputs or outputs than any request has, before reading
+    any of them: one message of 20 MB holds two million empty inputs, which took the event loop (and
+    every other request) seconds to read one by one."""
+    for field, most, names in (
+        ("parameters", len(_READ), _READ),
+        ("inputs", len(INPUT_NAMES), INPUT_NAMES),
+        ("outputs", len(_OUTPUTS), _OUTPUTS),
+    ):
+        count = len(getattr(msg, field))
+        if count > most:
+            raise InvalidArgument(f"{field}: expected at most {most} ({', '.join(names)}), got {count}")
+
+
 def _check_parameters(msg: v2.ModelInferRequest) -> None:
     for name in msg.parameters:
         if name not in _READ:
@@ -117,6 +132,10 @@ class _Placement:
 
 def _placement(where: str, what: str, params) -> _Placement | None:
     """The shared memory parameters of an input or requested output (`what`), or None without them."""
+    if len(params) > len(_SHM_PARAMS):
+        raise InvalidArgument(
+            f"{where}.parameters: expected at most {len(_SHM_PARAMS)} ({', '.join(_SHM_PARAMS)}), got {len(params)}"
+        )
     for name in params:
         if name not in _SHM_PARAMS:
             raise InvalidArgument(
@@ -162,7 +181,7 @@ def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[tuple[str, ...], dict
     return tuple(names), placed
 
 
-def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes:
+def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor, shape: tuple[int, ...]) -> bytes:
     """The bytes of a tensor sent as typed contents, after checking the field and the element count."""
     name, datatype = tensor.name, tensor.datatype
     present = [f.name for f, _ in tensor.contents.ListFields()]
@@ -178,7 +197,6 @@ def _typed_bytes(i: int, tensor: v2.ModelInferRequest.InferInputTensor) -> bytes
     if wrong:
         raise InvalidArgument(f"{where}: {datatype} input {clip(name)} goes in {field}, got {', '.join(wrong)}")
     values = getattr(tensor.contents, field)
-    shape = list(tensor.shape)
     if all(d > 0 for d in shape) and len(values) != math.prod(shape):
         raise InvalidArgument(
             f"{where}.{field}: expected {math.prod(shape)} elements for input {clip(name)} "
@@ -205,7 +223,7 @@ def _wire_tensors(
         name = tensor.name
         if name in tensors:
             raise InvalidArgument(f"inputs[{i}].name: input {clip(name)} appears twice")
-        shape = tuple(tensor.shape)
+        shape = read_shape(tensor.shape, f"inputs[{i}].shape (input {clip(name)})")
         has_contents = tensor.HasField("contents") and bool(tensor.contents.ListFields())
         placement = placements[i]
         if placement is not None:
@@ -224,7 +242,7 @@ def _wire_tensors(
             field = f"raw_input_contents[{next_raw}] (input {clip(name)})"
             next_raw += 1
         else:
-            data = _typed_bytes(i, tensor)
+            data = _typed_bytes(i, tensor, shape)
             field = f"inputs[{i}].contents (input {clip(name)})"
         if name == "key_lengths" and len(shape) == 2 and shape[1] == 1:
             shape = shape[:1]  # [B, 1], the shape its config dims [1] give, or [B]
@@ -233,8 +251,14 @@ def _wire_tensors(
 
 
 RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
-# A request's tensor bytes, for edge/payload.py: the entries of raw_input_contents.
-TENSOR_FIELDS: Fields = {RAW_INPUT_CONTENTS: None}
+# For edge/payload.py: a request's tensor bytes, the entries of raw_input_contents, cut out; its inputs kept.
+TENSOR_FIELDS: Fields = {
+    RAW_INPUT_CONTENTS: None,
+    # The inputs: their typed contents may be large; their names, shapes and parameters are bounded.
+    v2.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number: Kept(
+        v2.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name["contents"].number
+    ),
+}
 
 
 def decode(received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry = OFF) -> Decoded:
@@ -274,6 +298,7 @@ class _Again:
 def _decode_whole(received: Received[v2.ModelInferRequest], spec: ModelSpec, memory: SharedMemoryRegistry) -> Decoded:
     msg = received.message
     check_version(spec, msg.model_version)
+    _check_counts(msg)
     _check_parameters(msg)
     timeout = _timeout_s(msg)
     outputs, placements = _requested_outputs(msg)

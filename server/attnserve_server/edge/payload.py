@@ -11,7 +11,10 @@ The wire format allows this: a message is a sequence of fields (key, then a vari
 or a length and that many bytes), in any order, and a message without some of its fields is still
 a valid message. Anything this scanner does not expect (a group, a field that repeats where
 protobuf would merge it, a wire type that does not fit, bytes that end early) makes it step aside:
-protobuf parses the whole message as before, and reports any error itself.
+protobuf parses the whole message as before, and reports any error itself. A message with more
+fields than any request has (MAX_SCANNED_FIELDS) is refused as undecodable, unparsed: walked one by
+one, the two million empty inputs of one 20 MB message held the event loop, and every other request,
+for seconds, and protobuf's parse of a 256 MB one would still take seconds.
 
 Most request streams repeat one head: a client, a load generator, an application sends request after
 request whose fields other than the tensor bytes (model, inputs' names, datatypes and shapes,
@@ -31,18 +34,39 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
+from google.protobuf.message import DecodeError
+
 from attnserve_server.edge.framing import varint
+from attnserve_server.errors import size_text
 
 M = TypeVar("M")
 # Messages shorter than this parse whole: the scan's Python costs more than the copies it saves
 # (a W1 request, 64 KiB: ~4 µs of copies).
 LARGE_MESSAGE_BYTES = 256 << 10
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A nested message left in the head, whose field `large` may be large (KServe's typed contents in
+    an input): its other fields are bounded as a tensor's are (MAX_TENSOR_HEAD_BYTES), and nothing cut."""
+
+    large: int
+
+
 # Where a tensor's bytes are: a top-level field number -> None (the field itself holds them, as a
 # repeated bytes field: KServe's raw_input_contents), or the number of the bytes field inside that
-# nested message (attnserve.v1's Tensor.data inside AttendRequest.query).
-Fields = Mapping[int, int | None]
+# nested message (attnserve.v1's Tensor.data inside AttendRequest.query), or Kept.
+Fields = Mapping[int, int | Kept | None]
 _NO_VIEWS: Mapping[int, list[memoryview]] = MappingProxyType({})  # shared: a small request allocates none
+# Fields in one message (or one nested tensor message) past which it is refused unparsed: a request
+# has a few dozen at most (a KServe request with every input, output and parameter: 29).
+MAX_SCANNED_FIELDS = 256
+# A nested tensor message's bytes besides its data (attnserve.v1's Tensor: dtype and up to 8 dims, at
+# most 93 bytes; a KServe input: its name, datatype, shape and shared memory parameters), past which it
+# is refused unparsed: protobuf took 3.7 s of the event loop to parse the 190 MB shape of 200 million
+# dimensions one request carried.
+MAX_TENSOR_HEAD_BYTES = 16 << 10
 
 
 class Repeat:
@@ -141,6 +165,26 @@ class _Unexpected(Exception):
     """Bytes the scanner leaves to protobuf."""
 
 
+class Refused(DecodeError):
+    """A message no request could be (more fields than any has, or a tensor's shape of millions of
+    dimensions): refused unparsed, as protobuf refuses bytes it cannot parse (the module's note).
+    `number`: the top-level field at fault, named once the message's type is known (`named`)."""
+
+    def __init__(self, text: str, number: int | None = None) -> None:
+        super().__init__(text)
+        self.text, self.number, self.field = text, number, None if number is None else f"field {number}"
+
+    def named(self, cls) -> Refused:
+        """This refusal with its field's name in `cls`, the message's type."""
+        by_number = cls.DESCRIPTOR.fields_by_number  # type: ignore[attr-defined]
+        if self.number in by_number:
+            self.field = by_number[self.number].name
+        return self
+
+    def __str__(self) -> str:
+        return self.text if self.field is None else f"{self.field}: {self.text}"
+
+
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
@@ -156,9 +200,14 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def _fields(data: bytes, start: int, end: int):
     """Yields (number, wire type, start of the field, start of its value, end of the field) for each
-    field of the message in data[start:end]; a length-delimited value starts after its length."""
+    field of the message in data[start:end]; a length-delimited value starts after its length.
+    Raises Refused past MAX_SCANNED_FIELDS."""
     pos = start
+    left = MAX_SCANNED_FIELDS
     while pos < end:
+        left -= 1
+        if left < 0:
+            raise Refused(f"more than {MAX_SCANNED_FIELDS} fields in one message; a request has at most a few dozen")
         at = pos
         key, pos = _read_varint(data, pos)
         number, wire = key >> 3, key & 7
@@ -172,8 +221,8 @@ def _fields(data: bytes, start: int, end: int):
         elif wire == _LENGTH_DELIMITED:
             length, value = _read_varint(data, pos)
             pos = value + length
-        else:  # groups: deprecated, and not in these messages
-            raise _Unexpected
+        else:  # groups: deprecated, and in no request (proto3 has none)
+            raise Refused(f"a group (wire type {wire}); no request has one", number)
         if pos > end or number == 0:
             raise _Unexpected
         yield number, wire, at, value, pos
@@ -181,6 +230,28 @@ def _fields(data: bytes, start: int, end: int):
 
 # Where a tensor's bytes are in a message: (top-level field number, start, end), in the order they came.
 Hole = tuple[int, int, int]
+
+
+def _large_field(
+    data: bytes, number: int, start: int, end: int, large: int
+) -> tuple[tuple[int, int, int] | None, bool]:
+    """Field `large` of the nested message in data[start:end] (top-level field `number`): (where it
+    starts, its value, its end) or None; and whether it came more than once, or not as bytes (protobuf
+    then decides). Raises Refused where the message's other fields pass MAX_TENSOR_HEAD_BYTES."""
+    found = None
+    odd = False
+    for n, w, s, v, e in _fields(data, start, end):
+        if n == large:
+            odd = odd or w != _LENGTH_DELIMITED or found is not None
+            found = (s, v, e)
+    size = (end - start) - (0 if found is None else found[2] - found[0])
+    if size > MAX_TENSOR_HEAD_BYTES:
+        raise Refused(
+            f"a tensor with {size_text(size)} besides its data, where its name, dtype and shape take a few"
+            f" hundred bytes (at most {size_text(MAX_TENSOR_HEAD_BYTES)})",
+            number,
+        )
+    return found, odd
 
 
 def _cut(
@@ -194,6 +265,7 @@ def _cut(
     holes: list[Hole] = []
     ids: list[Hole] = []
     nested_seen: set[int] = set()
+    aside = False  # the scan steps aside, once it has checked the rest for what it refuses
     at = 0  # data[at:] not yet kept or cut
     try:
         for number, wire, start, value, end in _fields(data, 0, len(data)):
@@ -202,23 +274,23 @@ def _cut(
             if number not in fields:
                 continue
             if wire != _LENGTH_DELIMITED:
-                return None
+                aside = True
+                continue
             inner = fields[number]
+            if type(inner) is Kept:
+                _large_field(data, number, value, end, inner.large)
+                continue
             if inner is None:  # a repeated bytes field: cut the whole field out
                 holes.append((number, value, end))
                 kept.append(view[at:start])
                 at = end
                 continue
             if number in nested_seen:  # a nested message sent twice: protobuf merges the two
-                return None
+                aside = True
             nested_seen.add(number)
-            found = None
-            for n, w, s, v, e in _fields(data, value, end):
-                if n == inner:
-                    if w != _LENGTH_DELIMITED or found is not None:
-                        return None
-                    found = (s, v, e)
-            if found is None:
+            found, twice = _large_field(data, number, value, end, inner)
+            aside = aside or twice
+            if found is None or aside:
                 continue
             s, v, e = found
             holes.append((number, v, e))
@@ -226,6 +298,8 @@ def _cut(
             kept += (view[at:start], varint(number << 3 | _LENGTH_DELIMITED), varint(size), view[value:s], view[e:end])
             at = end
     except _Unexpected:
+        return None
+    if aside:
         return None
     found = ids[0] if len(ids) == 1 else None  # twice: protobuf keeps the last; not a hole then
     if not at:  # nothing cut (typed contents, say): the message as it came, not a copy of it
@@ -260,7 +334,10 @@ def parse(cls, data: bytes, fields: Fields) -> Received:
     """`data` as a message of protobuf class `cls`, its tensor bytes as views when it is large.
     Raises protobuf's DecodeError for bytes that are not such a message."""
     if len(data) >= LARGE_MESSAGE_BYTES:
-        got = split(data, fields)
+        try:
+            got = split(data, fields)
+        except Refused as exc:
+            raise exc.named(cls) from None
         if got is not None:
             rest, views = got
             return Received(cls.FromString(rest), views)
@@ -314,7 +391,10 @@ class Parser(Generic[M]):
         if self._plain:
             self._plain -= 1
             return parse(self._cls, data, self._fields)
-        cut = _cut(data, self._fields, self._request_id)
+        try:
+            cut = _cut(data, self._fields, self._request_id)
+        except Refused as exc:
+            raise exc.named(self._cls) from None
         if cut is None or not cut[1]:  # left to protobuf, or no tensor bytes (typed contents): none kept
             return Received(self._cls.FromString(data))
         rest, holes, request_id = cut

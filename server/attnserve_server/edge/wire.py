@@ -10,7 +10,7 @@ Datatypes are named as KServe v2 names them: FP32, FP16, BF16, BOOL, INT32, INT6
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,17 @@ from attnserve_server.domain import (
 from attnserve_server.errors import InvalidArgument, clip, shape_text, size_text
 
 _WIDTH_LABEL = {"query": "embed_dim", "key": "kdim", "value": "vdim", "key_value": "kdim"}
+# No input has more than 3 dimensions (query [B, L, E]); a shape of up to 8 is still read, so that a
+# plausible mistake ([1, B, L, E]) gets the input's own message. Past that the dims are not read at all:
+# a 20 MB message of one shape's dims took the event loop a second to copy and print.
+MAX_READ_DIMS = 8
+
+
+def read_shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
+    """A message's repeated shape field as a tuple; refuses a shape longer than MAX_READ_DIMS unread."""
+    if len(shape) > MAX_READ_DIMS:
+        raise InvalidArgument(f"{where}: expected at most 3 dimensions, got {shape_text(shape)}")
+    return tuple(shape)
 
 
 @dataclass(frozen=True, slots=True)
