@@ -16,6 +16,7 @@ import pytest
 
 from attnserve import AttnServeError, Client
 from attnserve.v1 import attention_pb2 as pb
+from attnserve_server.edge import payload
 from attnserve_server.protocol import open_inference_pb2 as v2
 
 from conftest import Running, model, running, settings
@@ -545,4 +546,29 @@ def test_counts_past_any_request_are_refused_before_their_entries_are_read(
     code, details = raw_unary(default_server.target, method, request_message.SerializeToString())
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert says in details, details
+    still_serving(default_server.target)
+
+
+@pytest.mark.parametrize("method", [ATTEND, MODEL_INFER])
+def test_an_id_longer_than_any_answer_should_echo_is_refused(default_server: Running, method: str) -> None:
+    # Every answer echoes its id, which the size the server owes a connection for it does not count
+    # (edge/outbox.py): ids of 100 MiB from a client that read no answers held 3.9 GiB, counted as 160 KiB.
+    def body(request_id: str) -> bytes:
+        if method == ATTEND:
+            return attend_bytes(request_id=request_id)
+        msg = v2.ModelInferRequest(model_name="default", id=request_id)
+        msg.inputs.add(name="query", datatype="FP32", shape=[1, 4, 32])
+        msg.raw_input_contents.append(np.ones((4, 32), "<f4").tobytes())
+        return msg.SerializeToString()
+
+    field = "request_id" if method == ATTEND else "id"
+    longest = payload.MAX_ID_CHARS
+    # A head seen with a short id first: a long one then matches it (payload.Repeat) and is checked as well.
+    for request_id in ("a", "b" * longest, "c" * (longest + 1), "d", "e" * (8 * longest)):
+        code, details = raw_unary(default_server.target, method, body(request_id))
+        if len(request_id) <= longest:
+            assert code == grpc.StatusCode.OK, (code, details)
+        else:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            assert f"({field}: an id of {len(request_id):,} characters, where one takes at most 16,384)" in details
     still_serving(default_server.target)

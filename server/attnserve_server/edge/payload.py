@@ -349,6 +349,11 @@ _WITH_IDS = 4  # heads with an id a Parser tries whatever the message's length
 # parameters take a few hundred; a larger one (typed contents beside a raw entry, unknown fields) is
 # parsed as `parse` does and not kept, so `capacity` heads cannot pin `capacity` large messages.
 MAX_HEAD_BYTES = 16 << 10
+# The longest request id accepted. Every answer echoes its request's id, which its size (as the server
+# owes it, edge/outbox.py, and as it must fit max_message_bytes) does not count beyond a few KiB: a
+# client that sent ids of 200 MiB and read no answers made the server hold 200 MiB an answer, counted
+# as 80 KiB.
+MAX_ID_CHARS = 16 << 10
 
 
 class Parser(Generic[M]):
@@ -366,7 +371,7 @@ class Parser(Generic[M]):
     ) -> None:
         self._cls = cls
         self._fields = fields
-        # A top-level string field each request may set to its own value: an id of any length.
+        # A top-level string field each request may set to its own value: an id of up to MAX_ID_CHARS.
         self._request_id_name = request_id
         self._request_id = None if request_id is None else cls.DESCRIPTOR.fields_by_name[request_id].number  # type: ignore[attr-defined]
         self._capacity = capacity
@@ -377,7 +382,18 @@ class Parser(Generic[M]):
         self._plain = 0  # messages still to parse without remembering their heads
 
     def __call__(self, data: bytes) -> Received[M]:
-        """`data` as a message, like `parse`; raises protobuf's DecodeError for bytes that are not one."""
+        """`data` as a message, like `parse`; raises protobuf's DecodeError for bytes that are not one,
+        and Refused for an id longer than MAX_ID_CHARS."""
+        received = self._read(data)
+        name = self._request_id_name
+        if name is not None and len(data) > MAX_ID_CHARS and len(getattr(received.message, name)) > MAX_ID_CHARS:
+            count = len(getattr(received.message, name))
+            raise Refused(
+                f"an id of {count:,} characters, where one takes at most {MAX_ID_CHARS:,}", self._request_id
+            ).named(self._cls)
+        return received
+
+    def _read(self, data: bytes) -> Received[M]:
         sized = repeat = self._by_size.get(len(data))
         got = None if sized is None else sized.match(data)
         if got is None:
