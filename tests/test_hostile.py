@@ -497,6 +497,13 @@ def _with_params(msg, count: int):
 @pytest.mark.parametrize(
     ("method", "request_message", "says"),
     [
+        (
+            MODEL_INFER,
+            _infer(
+                inputs=[{"name": "key_lengths", "datatype": "INT64", "contents": {"int64_contents": [1] * (5 << 20)}}]
+            ),
+            "(inputs: 5.0 MiB of typed bool or integer contents, where an input takes at most 4.0 MiB of them; send",
+        ),
         # Large: scanned even while the server's parser parses small messages whole (payload.Parser's back-off).
         (MODEL_INFER, _infer(inputs=[{"name": "query"}] * 300, id=LONG_ID), "(more than 256 fields in one message;"),
         (MODEL_INFER, _infer(inputs=[{"name": "query"}] * 7), "inputs: expected at most 6 (query, key_value,"),
@@ -529,6 +536,7 @@ def _with_params(msg, count: int):
         ),
     ],
     ids=[
+        "typed-int64-5MiB",
         "300-inputs",
         "7-inputs",
         "3-outputs",

@@ -364,3 +364,21 @@ def test_a_large_head_is_parsed_but_not_remembered() -> None:
         received = parser(data)
         assert received.repeat is None and _rebuilt(received) == msg
         assert received.views[RAW][0].obj is data
+
+
+def test_an_inputs_typed_varints_are_bounded_and_its_floats_are_not() -> None:
+    def infer(**contents) -> bytes:
+        msg = v2.ModelInferRequest(model_name="m")
+        msg.inputs.add(name="key_padding_mask", datatype="BOOL", contents=contents)
+        return msg.SerializeToString()
+
+    most = payload.MAX_SLOW_BYTES
+    # bool_contents packs one byte an element; 2 to 4 bytes of key and length precede them in the field
+    fits = infer(bool_contents=[True] * (most - 8))
+    assert payload.split(fits, kserve.TENSOR_FIELDS) is not None
+    with pytest.raises(payload.Refused, match="of typed bool or integer contents, where an input takes at most"):
+        payload.split(infer(bool_contents=[True] * most), kserve.TENSOR_FIELDS)
+    with pytest.raises(payload.Refused):  # two kinds, counted together
+        payload.split(infer(bool_contents=[True] * (most // 2), int_contents=[1] * (most // 2)), kserve.TENSOR_FIELDS)
+    floats = infer(fp32_contents=[1.0] * most)  # four times the bytes, parsed as one copy
+    assert payload.split(floats, kserve.TENSOR_FIELDS) is not None

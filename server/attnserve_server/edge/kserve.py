@@ -254,9 +254,14 @@ RAW_INPUT_CONTENTS = v2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_c
 # For edge/payload.py: a request's tensor bytes, the entries of raw_input_contents, cut out; its inputs kept.
 TENSOR_FIELDS: Fields = {
     RAW_INPUT_CONTENTS: None,
-    # The inputs: their typed contents may be large; their names, shapes and parameters are bounded.
+    # The inputs: their typed contents may be large; their names, shapes and parameters are bounded,
+    # and so are their contents of bools and integers.
     v2.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number: Kept(
-        v2.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name["contents"].number
+        v2.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name["contents"].number,
+        frozenset(
+            v2.InferTensorContents.DESCRIPTOR.fields_by_name[name].number
+            for name in ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents")
+        ),
     ),
 }
 
