@@ -8,11 +8,13 @@ import concurrent.futures
 import socket
 import subprocess
 import sys
+import threading
 import urllib.parse
 
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve import AttnServeError, Client
 from attnserve.v1 import attention_pb2 as pb
@@ -580,3 +582,29 @@ def test_an_id_longer_than_any_answer_should_echo_is_refused(default_server: Run
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
             assert f"({field}: an id of {len(request_id):,} characters, where one takes at most 16,384)" in details
     still_serving(default_server.target)
+
+
+def _watch(target: str, service: str = ""):
+    channel = grpc.insecure_channel(target)
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service), timeout=30)
+    return channel, stream
+
+
+def test_a_health_watcher_that_reads_nothing_holds_up_no_status_change() -> None:
+    # grpc_health's servicer wrote each watcher's update holding the lock its status changes take: three
+    # Watch streams that read nothing held SIGTERM's NOT_SERVING, and the stop, until their connection died
+    # (55 s), and every other watcher heard nothing meanwhile.
+    with running(settings(model(embed_dim=32, num_heads=4))) as handle:
+        stuck = _NonReader(handle.target)
+        request = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        for _ in range(3):
+            stuck.call("/grpc.health.v1.Health/Watch", request)
+        channel, watcher = _watch(handle.target)
+        with channel:
+            assert next(watcher).status == health_pb2.HealthCheckResponse.SERVING
+            stopped: list[bool] = []
+            stopping = threading.Thread(target=lambda: stopped.append(handle.call(handle.server.stop(5.0))))
+            stopping.start()
+            assert next(watcher).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stopping.join(30)
+            assert stopped == [True]

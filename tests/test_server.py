@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from attnserve import AsyncClient, AttnServeError, Client, Request
@@ -48,6 +49,30 @@ def test_health_for_the_server_the_service_and_each_model(default_server: Runnin
         with pytest.raises(AttnServeError) as err:
             c.health("no-such-model")
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_watch_tells_every_watcher_each_change_even_after_another_watcher_left() -> None:
+    # grpc_health's servicer dropped a service's watchers when the first of them left: the others were
+    # never told of a change again.
+    def watch(channel: grpc.Channel, service: str):
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with running(settings(model(embed_dim=32, num_heads=4))) as handle, grpc.insecure_channel(handle.target) as ch:
+        leaving, staying, model_watch, unknown = watch(ch, ""), watch(ch, ""), watch(ch, "default"), watch(ch, "x")
+        assert [next(w).status for w in (leaving, staying, model_watch)] == [serving] * 3
+        assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        leaving.cancel()
+        with pytest.raises(grpc.RpcError):
+            next(leaving)
+        # A call after the cancel on the same connection: the server has seen the cancel when it answers.
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+        stopping = threading.Thread(target=lambda: handle.call(handle.server.stop(5.0)))
+        stopping.start()
+        assert next(staying).status == not_serving
+        assert next(model_watch).status == not_serving
+        stopping.join(30)
 
 
 def test_model_listing_and_metadata(default_server: Running) -> None:

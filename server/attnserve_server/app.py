@@ -10,12 +10,13 @@ import os
 import ssl
 
 import grpc.aio
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
+from attnserve_server.edge.front import GrpcFront, set_health
+from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
 from attnserve_server.errors import ConfigError, PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
@@ -82,7 +83,7 @@ class AttnServer:
         }
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = HealthServicer()
         self._front: GrpcFront | None = None
         self.edges: EdgeSupervisor | None = None  # with edge_processes > 1
         self._metrics_http = None

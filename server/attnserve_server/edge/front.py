@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher, Servable
+from attnserve_server.edge.health import HealthServicer
 from attnserve_server.edge.outbox import Outbox
 from attnserve_server.edge.registration import CallsInFlight, add_service
 from attnserve_server.edge.servicer import AttentionServicer
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 # Health names besides "" and the models': each API's service name.
 HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # HTTP/2 lets a peer send this much on a stream before the receiver acknowledges it: with gRPC's
 # default (64 KiB) a megabyte request takes several round trips (measured: 1 MiB each way, 12.7 ms at
 # the default, 8.6 ms at 16 MiB). The client sets the same for its answers.
@@ -86,7 +85,7 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-async def set_health(servicer: health.aio.HealthServicer, names: tuple[str, ...], status: int) -> None:
+async def set_health(servicer: HealthServicer, names: tuple[str, ...], status: int) -> None:
     for name in ("", *HEALTH_SERVICES, *names):
         await servicer.set(name, status)
 
@@ -100,7 +99,7 @@ class GrpcFront:
         settings: ServerSettings,
         models: Mapping[str, Servable],
         unknown_model_metrics: ModelMetrics,
-        health_servicer: health.aio.HealthServicer,
+        health_servicer: HealthServicer,
         tracing: Tracing | None = None,
         *,
         port: int | None = None,

@@ -21,12 +21,12 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from attnserve_server.batching import BatchLimits, refusal
 from attnserve_server.domain import Answer, AttentionRequest, BatchReport, ModelSpec, answer_bytes, weight_heads
-from attnserve_server.edge.front import NOT_SERVING, SERVING, GrpcFront, set_health
+from attnserve_server.edge.front import GrpcFront, set_health
+from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, ServingError
 from attnserve_server.metrics import InferenceStats, Metrics, ModelMetrics
@@ -79,7 +79,7 @@ class EngineLink:
         self.hello: asyncio.Future = self._loop.create_future()
         self.stopping: asyncio.Future = self._loop.create_future()  # grace seconds, None: lost
         self.ready: dict[str, bool] = {}
-        self.health: health.aio.HealthServicer | None = None
+        self.health: HealthServicer | None = None
         self.shared_memory: SharedMemoryRegistry | None = None  # this edge's copy of the regions
         self.lost = False
         self._health_update: asyncio.Task | None = None
@@ -316,7 +316,7 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
     threading.Thread(
         target=_serve_snapshots, args=(socket.socket(fileno=snapshot_fd), metrics), name="snapshots", daemon=True
     ).start()
-    servicer = health.aio.HealthServicer()
+    servicer = HealthServicer()
     await set_health(servicer, tuple(models), NOT_SERVING)
     engine.health = servicer
     front = GrpcFront(settings, models, metrics.for_unknown_models(), servicer, tracing, port=port, share_port=True)
