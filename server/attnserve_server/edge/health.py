@@ -53,7 +53,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"service {clip(request.service)}: not known")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"the server has no health status named {clip(request.service)}"
+            )
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
