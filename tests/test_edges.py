@@ -88,7 +88,9 @@ def test_requests_from_every_edge_share_one_batch_and_every_number_is_summed() -
             results = list(pool.map(one, range(16)))
         assert all(r.timing.batch_size == 16 for r in results)
         assert handle.server.edges is not None
-        per_edge = [sum(s.requests.get(("Attend", "OK"), 0) for s in e.snapshot()) for e in handle.server.edges.edges]
+        per_edge = [
+            sum(s.requests.get(("Attend", "OK"), 0) for s in e.snapshot().models) for e in handle.server.edges.edges
+        ]
         assert sum(per_edge) == 16 and all(n > 0 for n in per_edge), per_edge  # both edges served, one batch
         # Prometheus and KServe statistics count every process's requests.
         assert handle.sample("attnserve_requests_total", model="default", method="Attend", code="OK") == 16

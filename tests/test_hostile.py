@@ -343,6 +343,10 @@ def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_hold
                 weights = other.attend(q, need_weights=True, average_weights=False).attention_weights
                 assert weights.shape == (4, 256, 256)
             assert handle.sample("attnserve_dropped_requests_total", model="default", reason="unsent_answers") == 6
+            # The four answers unread, 1 MiB of weights and their calls each (the other connection's are
+            # let go once their calls end, just after their clients have them).
+            handle.wait_for(lambda: handle.sample("attnserve_unsent_answer_bytes") < 5 << 20)
+            assert handle.sample("attnserve_unsent_answer_bytes") >= 4 << 20
             stalled.read_all()  # the four answers go out, and the connection is served again
             stalled.receive_until(lambda: len(stalled.status) == 10)
             for s in streams[:4]:
@@ -352,6 +356,7 @@ def test_a_client_that_never_reads_its_answers_is_refused_before_the_server_hold
             again = stalled.call(ATTEND, body)
             stalled.receive_until(lambda: again in stalled.status)
             assert stalled.status[again] == "0"
+            handle.wait_for(lambda: handle.sample("attnserve_unsent_answer_bytes") == 0)
         finally:
             stalled.sock.close()
 

@@ -145,6 +145,7 @@ class AttnServer:
         if s.edge_processes == 1:
             # The port answers (NOT_SERVING) while the models load.
             self._front = GrpcFront(s, self.models, self.metrics.for_unknown_models(), self._health, self.tracing)
+            self.metrics.watch_unsent(self._front.unsent_bytes)
             self.port = await self._front.start()
         else:
             # The port is claimed now; the edges serve it once the models are ready.

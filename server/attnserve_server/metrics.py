@@ -69,8 +69,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._models: list[ModelMetrics] = []
-        self._remote: list[Callable[[], list[RequestPathSnapshot]]] = []
-        registry.register(_RequestPathCollector(self._models, self._remote))
+        self._remote: list[Callable[[], list[ProcessSnapshot]]] = []
+        self._unsent: Callable[[], int] = lambda: 0  # watch_unsent
+        registry.register(_RequestPathCollector(self.snapshot, self._remote))
         registry.register(_BatchCollector(self._models))
         self.queue_capacity = Gauge(
             "attnserve_queue_capacity",
@@ -113,13 +114,19 @@ class Metrics:
         self._models.append(model_metrics)
         return model_metrics
 
-    def snapshot(self) -> list[RequestPathSnapshot]:
-        """The request path's numbers now, model by model (an edge process sends them to its engine)."""
-        return [m.snapshot() for m in list(self._models)]
+    def snapshot(self) -> ProcessSnapshot:
+        """The request path's numbers now, model by model, and the bytes of answers this process's gRPC
+        server owes (an edge process sends them to its engine)."""
+        return ProcessSnapshot([m.snapshot() for m in list(self._models)], self._unsent())
 
-    def add_remote(self, source: Callable[[], list[RequestPathSnapshot]]) -> None:
+    def add_remote(self, source: Callable[[], list[ProcessSnapshot]]) -> None:
         """Request-path numbers counted in other processes (the edges), summed into every scrape."""
         self._remote.append(source)
+
+    def watch_unsent(self, source: Callable[[], int]) -> None:
+        """`source()`: the bytes of answers this process's gRPC server owes its clients (edge/outbox.py),
+        read at scrape time."""
+        self._unsent = source
 
     def watch_cuda_memory(self, devices: list[str], pinned: Callable[[], dict[str, dict[str, int]]]) -> None:
         """Device memory per CUDA device, and `pinned()` ({model: {device: bytes}}) of page-locked host
@@ -342,6 +349,15 @@ class RequestPathSnapshot:
             self.drops[reason] = self.drops.get(reason, 0) + n
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessSnapshot:
+    """One process's request-path numbers: model by model, and the bytes of answers its gRPC server owes
+    its clients, being computed or sent and not yet read (edge/outbox.py)."""
+
+    models: list[RequestPathSnapshot]
+    unsent_bytes: int
+
+
 def _sum_histograms(a: tuple[list[int], float], b: tuple[list[int], float]) -> tuple[list[int], float]:
     return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
@@ -446,8 +462,8 @@ class _RequestPathCollector(Collector):
     """Exports the request path's plain-number series of every model at scrape time, summed over
     this process and any remote sources (edge processes)."""
 
-    def __init__(self, models: list[ModelMetrics], remote: list[Callable[[], list[RequestPathSnapshot]]]) -> None:
-        self._models = models
+    def __init__(self, local: Callable[[], ProcessSnapshot], remote: list[Callable[[], list[ProcessSnapshot]]]) -> None:
+        self._local = local
         self._remote = remote
 
     def collect(self) -> Iterator[Any]:
@@ -471,10 +487,16 @@ class _RequestPathCollector(Collector):
             "attnserve_dropped_requests", "Requests accepted or refused without being computed, by reason.",
             labels=["model", "reason"],
         )  # fmt: skip
-        snapshots = [m.snapshot() for m in list(self._models)]
+        unsent = GaugeMetricFamily(
+            "attnserve_unsent_answer_bytes",
+            "Bytes of answers owed to clients: admitted requests' answers being computed, or sent and not yet"
+            " read (max_unsent_bytes), over every gRPC process.",
+        )
+        processes = [self._local()]
         for source in self._remote:
-            snapshots.extend(source())
-        for m in merge_snapshots(snapshots).values():
+            processes.extend(source())
+        unsent.add_metric([], sum(p.unsent_bytes for p in processes))
+        for m in merge_snapshots(s for p in processes for s in p.models).values():
             for (method, code), n in m.requests.items():
                 requests.add_metric([m.model, method, code], n)
             for method, (counts, total) in m.durations.items():
@@ -486,7 +508,7 @@ class _RequestPathCollector(Collector):
                 for reason, n in m.drops.items():
                     dropped.add_metric([m.model, reason], n)
             inflight.add_metric([m.model], m.inflight)
-        yield from (requests, duration, queue_wait, depth, inflight, dropped)
+        yield from (requests, duration, queue_wait, depth, inflight, dropped, unsent)
 
 
 def _histogram(h: FastHistogram) -> tuple[list[tuple[str, int]], float]:

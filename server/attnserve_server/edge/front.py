@@ -162,6 +162,10 @@ class GrpcFront:
         reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
         add_service(self.server, reflector, reflection_service, None if "reflection" in open_services else auth)
 
+    def unsent_bytes(self) -> int:
+        """Bytes of answers owed to clients now (edge/outbox.py): one integer, read from any thread."""
+        return self._dispatcher.outbox.total
+
     def reload_tls(self) -> None:
         """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""
         if self._tls is not None:

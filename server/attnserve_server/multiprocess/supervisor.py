@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from attnserve_server.domain import AnswerRoom, AttentionRequest, HostTensor
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import ConfigError, PortUnavailable, ServingError, status_of
-from attnserve_server.metrics import Duration, InferenceStats, RequestPathSnapshot, merge_snapshots
+from attnserve_server.metrics import Duration, InferenceStats, ProcessSnapshot, merge_snapshots
 from attnserve_server.model import ServedModel
 from attnserve_server.multiprocess import link
 from attnserve_server.multiprocess.edge_process import ModelInfo
@@ -105,11 +105,12 @@ class Edge:
         if self.channel is not None:
             self.channel.send(message)
 
-    def snapshot(self) -> list[RequestPathSnapshot]:
-        """The edge's request-path numbers (from the metrics thread or a worker thread)."""
+    def snapshot(self) -> ProcessSnapshot | None:
+        """The edge's request-path numbers (from the metrics thread or a worker thread); None once it
+        cannot answer."""
         with self._snapshot_lock:
             if self._snapshots.fileno() < 0:
-                return []
+                return None
             try:
                 self._snapshots.sendall(b"s")
                 return link.receive_blocking(self._snapshots)
@@ -119,7 +120,7 @@ class Edge:
                 if isinstance(exc, TimeoutError):
                     log.error("edge process %d did not answer a metrics scrape in time", self.index)
                 self._snapshots.close()
-                return []
+                return None
 
     # -- messages from the edge ------------------------------------------------------------
 
@@ -217,7 +218,8 @@ class Edge:
             self.send((link.CANCELLED, rid))
 
     async def _statistics(self, rid: int, names: list[str]) -> None:
-        remote = merge_snapshots(await asyncio.to_thread(self._sup.snapshots))
+        processes = await asyncio.to_thread(self._sup.snapshots)
+        remote = merge_snapshots(snap for process in processes for snap in process.models)
         stats: dict[str, InferenceStats] = {}
         for name in names:
             served = self._sup.models[name]
@@ -332,9 +334,9 @@ class EdgeSupervisor:
         if future is not None and not future.done() and (version is None or version == self._shm_version):
             future.set_result(None)
 
-    def snapshots(self) -> list[RequestPathSnapshot]:
-        """Every edge's request-path numbers; blocking, so called from a thread."""
-        return [snap for edge in self.edges for snap in edge.snapshot()]
+    def snapshots(self) -> list[ProcessSnapshot]:
+        """Every edge's request-path numbers, of those that answer; blocking, so called from a thread."""
+        return [snap for edge in self.edges if (snap := edge.snapshot()) is not None]
 
     def reload_tls(self) -> None:
         """Passes SIGHUP on: each edge reads its TLS files again at the next handshake."""
