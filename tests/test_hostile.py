@@ -61,10 +61,18 @@ def still_serving(target: str) -> None:
 def test_bytes_that_are_not_a_message_are_invalid_argument_in_one_line(
     default_server: Running, method: str, body: bytes
 ) -> None:
+    name = method.rsplit("/", 1)[1]
+    before = refused_unread(default_server, name)
     code, details = raw_unary(default_server.target, method, body)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details.startswith("request: not a valid ") and "\n" not in details and len(details) < 400
+    # An inference request is counted (model "": none could be read from it); GetModel counts in no series.
+    assert refused_unread(default_server, name) == before + (name != "GetModel")
     still_serving(default_server.target)
+
+
+def refused_unread(server: Running, method: str) -> float:
+    return server.sample("attnserve_requests_total", model="", method=method, code="INVALID_ARGUMENT")
 
 
 def _stream(target: str, method: str, bodies: list[bytes]) -> list[bytes]:
@@ -74,6 +82,7 @@ def _stream(target: str, method: str, bodies: list[bytes]) -> list[bytes]:
 
 
 def test_a_native_stream_answers_an_undecodable_message_in_band_and_goes_on(default_server: Running) -> None:
+    before = refused_unread(default_server, "AttendStream")
     answers = [
         pb.AttendResponse.FromString(b)
         for b in _stream(
@@ -88,6 +97,7 @@ def test_a_native_stream_answers_an_undecodable_message_in_band_and_goes_on(defa
     assert good == ["a", "c"] and len(bad) == 1
     assert bad[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and bad[0].request_id == ""
     assert bad[0].error.message.startswith("request: not a valid attnserve.v1.AttendRequest")
+    assert refused_unread(default_server, "AttendStream") == before + 1
 
 
 def test_a_kserve_stream_answers_an_undecodable_message_in_band_and_goes_on(default_server: Running) -> None:
@@ -98,6 +108,7 @@ def test_a_kserve_stream_answers_an_undecodable_message_in_band_and_goes_on(defa
         msg.raw_input_contents.append(q.tobytes())
         return msg.SerializeToString()
 
+    before = refused_unread(default_server, "ModelStreamInfer")
     answers = [
         v2.ModelStreamInferResponse.FromString(b)
         for b in _stream(default_server.target, MODEL_STREAM_INFER, [infer("a"), NOT_A_MESSAGE, infer("c")])
@@ -108,6 +119,7 @@ def test_a_kserve_stream_answers_an_undecodable_message_in_band_and_goes_on(defa
     assert bad.error_message.startswith("request: not a valid inference.ModelInferRequest")
     assert "no id to echo" in bad.error_message
     assert bad.infer_response.parameters["error_code"].string_param == "INVALID_ARGUMENT"
+    assert refused_unread(default_server, "ModelStreamInfer") == before + 1
 
 
 def test_client_strings_in_errors_are_cut_short(default_server: Running) -> None:

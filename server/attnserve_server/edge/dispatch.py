@@ -22,6 +22,7 @@ from attnserve_server.batching import DEADLINE_SLACK_S
 from attnserve_server.domain import Answer, AttentionRequest, ModelSpec
 from attnserve_server.edge.framing import wire_size
 from attnserve_server.edge.outbox import Outbox
+from attnserve_server.edge.registration import Undecodable, note_undecodable
 from attnserve_server.errors import ModelNotFound, ServingError, ShuttingDown, UnsentAnswers, clip, status_of
 from attnserve_server.metrics import InferenceStats, ModelMetrics
 from attnserve_server.security import check_model_allowed
@@ -141,6 +142,13 @@ class Dispatcher:
 
     def _not_found(self, name: str) -> ModelNotFound:
         return ModelNotFound(f"model: no model named {clip(name)}; served: {', '.join(sorted(self.models))}")
+
+    def undecodable(self, request: Undecodable, method: str, peer: str) -> None:
+        """A request that did not parse: logged at most once a minute per client host, and counted under
+        model "" with code INVALID_ARGUMENT, as no model could be read from it."""
+        note_undecodable(request, method, peer)
+        self._unknown.request_started()
+        self._unknown.request_done(method, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
 
     def deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         """The call's deadline on the event loop's clock (None: the caller set none)."""

@@ -142,7 +142,8 @@ class GrpcFront:
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
         native = pb.DESCRIPTOR.services_by_name["AttentionService"]
-        add_service(self.server, AttentionServicer(dispatcher), native, auth, self.calls)
+        # Requests that do not parse count in the request series (model "", INVALID_ARGUMENT).
+        add_service(self.server, AttentionServicer(dispatcher), native, auth, self.calls, dispatcher.undecodable)
         # Regions clients register (--allow-client-shm), for the KServe API's tensors.
         self.shared_memory = SharedMemoryRegistry(s.allow_client_shm)
         add_service(
@@ -151,6 +152,7 @@ class GrpcFront:
             kserve_servicer.SERVICE,
             auth,
             self.calls,
+            dispatcher.undecodable,
         )
         open_services = {name.strip() for name in s.auth_open.split(",")}
         health_auth = None if "health" in open_services else auth

@@ -22,7 +22,7 @@ from attnserve_server.edge.dispatch import (
 )
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Received
-from attnserve_server.edge.registration import Undecodable, note_undecodable
+from attnserve_server.edge.registration import Undecodable
 from attnserve_server.edge.shared_memory import OFF, SharedMemoryRegistry
 from attnserve_server.errors import NotFound, Unimplemented, clip
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -185,7 +185,7 @@ class InferenceServicer(v2_grpc.GRPCInferenceServiceServicer):
         self, received: Received[v2.ModelInferRequest] | Undecodable, context, peer: str
     ) -> v2.ModelStreamInferResponse | Frame:
         if isinstance(received, Undecodable):
-            note_undecodable(received, peer, "ModelStreamInfer")
+            self._dispatch.undecodable(received, "ModelStreamInfer", peer)
             failed = v2.ModelInferResponse()
             failed.parameters["error_code"].string_param = grpc.StatusCode.INVALID_ARGUMENT.name
             return v2.ModelStreamInferResponse(

@@ -17,6 +17,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -46,7 +47,7 @@ class Undecodable:
         return f"request: not a valid {self.message_type} message ({self.error})"
 
 
-def note_undecodable(request: Undecodable, peer: str, method: str) -> None:
+def note_undecodable(request: Undecodable, method: str, peer: str) -> None:
     """Logs an undecodable request at most once a minute per peer host (a client sending garbage
     in a loop must not flood the log)."""
     host = peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
@@ -56,6 +57,9 @@ def note_undecodable(request: Undecodable, peer: str, method: str) -> None:
             _last_logged.clear()
         _last_logged[host] = now
         log.warning("%s from %s: %s (logged once a minute per peer)", method, host, request.status_message)
+
+
+OnUndecodable = Callable[[Undecodable, str, str], None]  # (request, method, peer)
 
 
 class CallsInFlight:
@@ -129,7 +133,7 @@ async def _authorise(auth: TokenAuth | None, context: grpc.aio.ServicerContext) 
         await context.abort(grpc.StatusCode[exc.status], exc.message)
 
 
-def _unary(handler, method: str, auth: TokenAuth | None, calls: CallsInFlight | None):
+def _unary(handler, method: str, auth: TokenAuth | None, calls: CallsInFlight | None, undecodable: OnUndecodable):
     async def unary(request, context: grpc.aio.ServicerContext):
         if calls is not None:
             calls.enter()
@@ -137,7 +141,7 @@ def _unary(handler, method: str, auth: TokenAuth | None, calls: CallsInFlight | 
             if auth is not None:
                 await _authorise(auth, context)
             if isinstance(request, Undecodable):
-                note_undecodable(request, context.peer(), method)
+                undecodable(request, method, context.peer())
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
             return await handler(request, context)
         finally:
@@ -176,12 +180,15 @@ def add_service(
     service: ServiceDescriptor,
     auth: TokenAuth | None = None,
     calls: CallsInFlight | None = None,
+    undecodable: OnUndecodable = note_undecodable,
 ) -> None:
     """Registers every method of `service` that `servicer` implements (others answer UNIMPLEMENTED);
     with `auth`, every call needs a known bearer token; with `calls`, every call is counted while
     its handler runs. A method named in the servicer's `TENSOR_FIELDS` gets its requests as
     `payload.Received`, their tensor bytes uncopied; the servicer's `REQUEST_ID` names the field in
-    which each request may carry an id of its own without losing its repeated head (payload.Parser)."""
+    which each request may carry an id of its own without losing its repeated head (payload.Parser).
+    `undecodable(request, method, peer)` hears of each request to such a unary method that did not parse
+    (streams' own handlers answer theirs in band); other methods' are only logged."""
     tensor_fields: dict[str, payload.Fields] = getattr(servicer, "TENSOR_FIELDS", {})
     request_id: str | None = getattr(servicer, "REQUEST_ID", None)  # its requests' id field, if any
     handlers = {}
@@ -190,7 +197,8 @@ def add_service(
         if behaviour is None:
             continue
         if not method.client_streaming and inspect.iscoroutinefunction(behaviour):
-            behaviour = _unary(behaviour, method.name, auth, calls)
+            told = undecodable if method.name in tensor_fields else note_undecodable
+            behaviour = _unary(behaviour, method.name, auth, calls, told)
         elif method.client_streaming and inspect.isasyncgenfunction(behaviour):
             wrap = auth is not None or calls is not None  # streams answer undecodables in band themselves
             behaviour = _streaming(behaviour, auth, calls) if wrap else behaviour

@@ -20,7 +20,7 @@ from attnserve_server.edge.dispatch import (
 )
 from attnserve_server.edge.framing import Frame
 from attnserve_server.edge.payload import Received
-from attnserve_server.edge.registration import Undecodable, note_undecodable
+from attnserve_server.edge.registration import Undecodable
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
@@ -70,7 +70,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, received: Received[pb.AttendRequest] | Undecodable, deadline: float | None, context, peer: str
     ):
         if isinstance(received, Undecodable):
-            note_undecodable(received, peer, "AttendStream")
+            self._dispatch.undecodable(received, "AttendStream", peer)
             status = pb.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=received.status_message)
             return pb.AttendResponse(error=status)  # no request id to echo: the message did not parse
         try:
