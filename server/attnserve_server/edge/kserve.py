@@ -170,7 +170,7 @@ def _requested_outputs(msg: v2.ModelInferRequest) -> tuple[tuple[str, ...], dict
     names: list[str] = []
     placed: dict[str, tuple[str, _Placement]] = {}
     for i, out in enumerate(msg.outputs):
-        if out.name not in (OUTPUT, WEIGHTS):
+        if out.name not in _OUTPUTS:
             raise InvalidArgument(f"outputs[{i}].name: expected {OUTPUT!r} or {WEIGHTS!r}, got {clip(out.name)}")
         if out.name in names:
             raise InvalidArgument(f"outputs[{i}].name: output {clip(out.name)} is requested twice")

@@ -22,10 +22,9 @@ pile up answers without bound: at twice the limit every request is refused until
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
+from attnserve_server.edge.registration import Emptied
 from attnserve_server.errors import UnsentAnswers, size_text
 
 # What a call costs gRPC and the handler while it lasts, counted with its answer: 5,000 calls open at once
@@ -41,7 +40,7 @@ class Outbox:
         self.limit = limit  # 0: no limit, nothing counted
         self.total = 0
         self._held: dict[str, int] = {}  # peer -> bytes
-        self._sent: asyncio.Event | None = None  # while `sent` waits
+        self._sent = Emptied()
 
     @property
     def connections(self) -> int:
@@ -85,19 +84,10 @@ class Outbox:
             self._held[peer] = left
         else:
             del self._held[peer]
-            if not self._held and self._sent is not None:
-                self._sent.set()
+            if not self._held:
+                self._sent.reached()
 
     async def sent(self, timeout_s: float) -> bool:
         """Waits until nothing is owed (True), or `timeout_s` (False): at shutdown, answers computed go
         out to clients that read them within the grace period. Nothing is counted without a limit."""
-        if not self._held:
-            return True
-        self._sent = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._sent.wait(), max(0.0, timeout_s))
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self._sent = None
+        return await self._sent.wait(bool(self._held), timeout_s)

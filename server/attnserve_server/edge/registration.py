@@ -62,6 +62,31 @@ def note_undecodable(request: Undecodable, method: str, peer: str) -> None:
 OnUndecodable = Callable[[Undecodable, str, str], None]  # (request, method, peer)
 
 
+class Emptied:
+    """Lets a stopping server wait until a count its owner keeps on the event loop falls to nothing:
+    the owner calls `reached` when it does, and `wait` is given whether anything is left now."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None  # while `wait` waits
+
+    def reached(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self, left: bool, timeout_s: float) -> bool:
+        """Waits, if anything is `left`, until `reached` (True), or `timeout_s` (False)."""
+        if not left:
+            return True
+        self._event = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._event.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._event = None
+
+
 class CallsInFlight:
     """How many calls of the counted services are in their handlers (on the event loop).
 
@@ -73,28 +98,19 @@ class CallsInFlight:
 
     def __init__(self) -> None:
         self.count = 0
-        self._idle: asyncio.Event | None = None  # while `settled` waits
+        self._idle = Emptied()
 
     def enter(self) -> None:
         self.count += 1
 
     def exit(self) -> None:
         self.count -= 1
-        if not self.count and self._idle is not None:
-            self._idle.set()
+        if not self.count:
+            self._idle.reached()
 
     async def settled(self, timeout_s: float) -> bool:
         """Waits until no counted call is running (True), or `timeout_s` (False)."""
-        if not self.count:
-            return True
-        self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self._idle = None
+        return await self._idle.wait(self.count > 0, timeout_s)
 
 
 def _parser(cls, fields: payload.Fields | None, request_id: str | None):
