@@ -13,6 +13,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from attnserve_server import metrics_http
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.front import GrpcFront, set_health
@@ -166,8 +167,13 @@ class AttnServer:
         if s.metrics_port >= 0:
             host = s.metrics_host or s.host
             try:
-                self._metrics_http = self.metrics.serve_http(
-                    host, s.metrics_port, s.metrics_tls_cert, s.metrics_tls_key, s.metrics_tls_client_ca
+                self._metrics_http = metrics_http.serve(
+                    self.metrics.registry,
+                    host,
+                    s.metrics_port,
+                    s.metrics_tls_cert,
+                    s.metrics_tls_key,
+                    s.metrics_tls_client_ca,
                 )
             except ssl.SSLError as exc:
                 raise ConfigError(f"metrics_tls_cert, metrics_tls_key: cannot load them ({exc.reason})") from None

@@ -1,36 +1,22 @@
-"""Prometheus metrics, defined once on a registry the caller passes in, and their HTTP endpoint."""
+"""Prometheus metrics, defined once on a registry the caller passes in (served by metrics_http.py)."""
 
 from __future__ import annotations
 
-import logging
 import math
-import socket
-import ssl
-import sys
-import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from attnserve_server.domain import BatchReport
 
-log = logging.getLogger(__name__)
-# How long the metrics endpoint waits on a connection that sends (or takes) nothing, handshake included: a
-# scrape takes milliseconds, and Prometheus' own scrape timeout is 10 s by default.
-CONNECTION_TIMEOUT_S = 15.0
-# How many connections the metrics endpoint serves at once, a thread each: scrapers are a handful (an HA
-# Prometheus pair, a debugging curl); one past this is closed at once rather than given a thread.
-MAX_CONNECTIONS = 64
 # 100 us to 10 s.
 LATENCY_BUCKETS_S = (
     0.0001,
@@ -138,37 +124,6 @@ class Metrics:
         """Clients' shared memory regions (edge/shared_memory.py): `regions()` is the table
         ({name: (key, offset, byte_size)}), read at scrape time."""
         self.registry.register(_SharedMemoryCollector(regions))
-
-    def serve_http(
-        self,
-        host: str,
-        port: int,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_client_ca: str | None = None,
-    ) -> MetricsHTTPServer:
-        """Starts the endpoint on a thread of its own: `/metrics` only (anything else is 404), over TLS
-        when given a certificate and key (and, with a client CA, only for clients it signed)."""
-        app = make_wsgi_app(self.registry)
-
-        def only_metrics(environ, start_response):
-            if environ.get("PATH_INFO", "") not in ("/metrics", "/metrics/"):
-                start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-                return [b"attnserve answers /metrics only\n"]
-            return app(environ, start_response)
-
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("Server", (MetricsHTTPServer,), {"address_family": family})
-        httpd = make_server(host, port, only_metrics, server_class, handler_class=_QuietHandler)
-        if tls_cert and tls_key:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(tls_cert, tls_key)
-            if tls_client_ca:
-                context.load_verify_locations(tls_client_ca)
-                context.verify_mode = ssl.CERT_REQUIRED
-            httpd.tls = context
-        threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
-        return httpd
 
 
 @dataclass
@@ -380,63 +335,6 @@ def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str,
         total += n
         out.append((floatToGoString(bound), total))
     return out
-
-
-class MetricsHTTPServer(ThreadingWSGIServer):
-    """The metrics endpoint's HTTP server: a thread per connection, never holding the process at exit, no
-    connection held longer than CONNECTION_TIMEOUT_S without a byte either way, and at most MAX_CONNECTIONS
-    at once (so at most that many threads, whatever connects).
-
-    With TLS each connection shakes hands on its own thread. A listening socket wrapped for TLS shakes
-    hands inside accept(), on the one thread that accepts: a client that connected and sent nothing held
-    every scrape after it until it left (measured: each timed out)."""
-
-    tls: ssl.SSLContext | None = None
-    connection_timeout_s = CONNECTION_TIMEOUT_S
-    max_connections = MAX_CONNECTIONS
-    # socketserver listens with a backlog of 5: a sixth connection made while the accepting thread was
-    # starting a handler's thread was dropped and its client retried a second later (measured).
-    request_queue_size = socket.SOMAXCONN
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.debug("metrics endpoint: %d connections open; one from %s closed", self.max_connections,
-                      client_address[0])  # fmt: skip
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread started (none left to the process): the slot is not taken
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(self.connection_timeout_s)  # every read and write, the handshake's too
-        if self.tls is None:
-            super().finish_request(request, client_address)
-            return
-        with self.tls.wrap_socket(request, server_side=True) as connection:  # the handshake, here
-            super().finish_request(connection, client_address)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A connection that failed (a handshake refused or timed out, a peer that reset or fell silent) is
-        the client's affair: one line at DEBUG, not socketserver's traceback on stderr."""
-        log.debug("metrics endpoint: a connection from %s ended: %r", client_address[0], sys.exc_info()[1])
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 class FastHistogram:
