@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 
 import grpc
@@ -625,3 +627,57 @@ def test_a_health_watcher_that_reads_nothing_holds_up_no_status_change() -> None
             assert next(watcher).status == health_pb2.HealthCheckResponse.NOT_SERVING
             stopping.join(30)
             assert stopped == [True]
+
+
+def _held(queue_: queue.Queue):
+    """A stream's requests, as the test puts them; None ends it."""
+    while (request := queue_.get()) is not None:
+        yield request
+
+
+def test_streams_past_max_open_streams_are_refused_as_they_open_and_the_rest_is_served() -> None:
+    # gRPC takes every stream a client opens: each held about 30 KiB of the server for as long as its
+    # client kept it open (20,000 health watches: +430 MiB), idle or not.
+    with running(settings(model(embed_dim=32, num_heads=4), max_open_streams=3)) as handle:
+        channel = grpc.insecure_channel(handle.target)  # one connection: one process, in either mode
+        open_ = channel.stream_stream(ATTEND_STREAM, request_serializer=None, response_deserializer=None)
+        held: list[queue.Queue] = []
+        streams = []  # each call held: one the client lets go of, it cancels
+        for _ in range(2):
+            held.append(queue.Queue())
+            held[-1].put(attend_bytes())
+            streams.append(open_(_held(held[-1]), timeout=30))
+            assert pb.AttendResponse.FromString(next(streams[-1])).output.shape == [4, 32]
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # the third stream
+        refused = queue.Queue()
+        refused.put(attend_bytes())
+        watching = health_pb2_grpc.HealthStub(channel).Watch
+        for opening in (
+            lambda: next(open_(_held(refused), timeout=30)),
+            lambda: next(watching(health_pb2.HealthCheckRequest(service=""), timeout=30)),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                opening()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details() == (
+                "streams: this server has 3 open, the most it keeps (max_open_streams 3); close one, or retry later"
+            )
+        with Client(handle.target, timeout_s=10) as client:  # unary calls go on
+            assert client.health() == "SERVING"
+        still_serving(handle.target)
+        held.pop().put(None)  # a stream ends: one more may open
+        deadline = time.monotonic() + 20
+        while True:  # the slot frees once the server's handler has seen the stream end
+            held.append(queue.Queue())
+            held[-1].put(attend_bytes())
+            streams.append(open_(_held(held[-1]), timeout=30))
+            try:
+                assert pb.AttendResponse.FromString(next(streams[-1])).output.shape == [4, 32]
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+        for q in (*held, refused):
+            q.put(None)
+        watch.cancel()
+        channel.close()

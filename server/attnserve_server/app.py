@@ -10,7 +10,7 @@ import os
 import ssl
 
 import grpc.aio
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from attnserve_server import metrics_http
@@ -18,6 +18,7 @@ from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
 from attnserve_server.edge.front import GrpcFront, set_health
 from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
+from attnserve_server.edge.registration import OpenStreams, add_service
 from attnserve_server.errors import ConfigError, PortUnavailable
 from attnserve_server.metrics import Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
@@ -156,7 +157,8 @@ class AttnServer:
             # Kubernetes' gRPC probe speaks no TLS: with TLS on, probes ask this plaintext port, which
             # serves the same health statuses and nothing else.
             self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+            add_service(self._health_server, self._health, health_service, streams=OpenStreams(s.max_open_streams))
             try:
                 self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
             except RuntimeError:

@@ -142,6 +142,9 @@ class ServerSettings:
     # message whole before the server sees it, so each compressed one may cost max_message_bytes of memory
     # for a thousandth of it on the wire.
     accept_compression: str = ""
+    # Streams a gRPC process keeps open at once, of every service (health watches and reflection too): each
+    # holds about 30 KiB while it is open; one past it is refused RESOURCE_EXHAUSTED; 0: no limit.
+    max_open_streams: int = 4096
     # A stream is not read further while this many of its requests await their answers' sending.
     stream_window: int = STREAM_WINDOW
     # Each client connection is closed after about this long (gRPC's GOAWAY; calls in progress finish),
@@ -238,6 +241,13 @@ OPTIONS: tuple[Option, ...] = (
         "compressed requests accepted: gzip, deflate, a comma list of both, or '' (default: none; a compressed"
         " request is refused UNIMPLEMENTED). gRPC inflates each whole, up to --max-message-bytes, before the"
         " server sees it: a few KiB on the wire can cost that much memory",
+    ),
+    Option(
+        "max-open-streams",
+        "server",
+        int,
+        "streams a gRPC process keeps open at once, of every service (health watches too); each holds about"
+        " 30 KiB; one past it is refused RESOURCE_EXHAUSTED as it opens; 0: no limit (default 4096)",
     ),
     Option(
         "stream-window",
@@ -641,6 +651,7 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(settings.max_unsent_bytes >= 0, f"max_unsent_bytes: expected >= 0, got {settings.max_unsent_bytes}")
+    _check(settings.max_open_streams >= 0, f"max_open_streams: expected >= 0, got {settings.max_open_streams}")
     unknown = sorted(set(compression_names(settings.accept_compression)) - set(COMPRESSION_ALGORITHMS))
     got = unknown[0] if unknown else ""
     _check(not unknown, f"accept_compression: expected gzip, deflate, a comma list of both or '', got {got!r}")

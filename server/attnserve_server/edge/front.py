@@ -23,7 +23,7 @@ from attnserve_server.edge import kserve_servicer
 from attnserve_server.edge.dispatch import Dispatcher, Servable
 from attnserve_server.edge.health import HealthServicer
 from attnserve_server.edge.outbox import Outbox
-from attnserve_server.edge.registration import CallsInFlight, add_service
+from attnserve_server.edge.registration import CallsInFlight, OpenStreams, add_service
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import PortUnavailable
@@ -138,12 +138,15 @@ class GrpcFront:
         outbox = Outbox(s.max_unsent_bytes)
         self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window, outbox)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
+        streams = OpenStreams(s.max_open_streams)  # every service's streams, health watches included
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
         native = pb.DESCRIPTOR.services_by_name["AttentionService"]
         # Requests that do not parse count in the request series (model "", INVALID_ARGUMENT).
-        add_service(self.server, AttentionServicer(dispatcher), native, auth, self.calls, dispatcher.undecodable)
+        add_service(
+            self.server, AttentionServicer(dispatcher), native, auth, self.calls, dispatcher.undecodable, streams
+        )
         # Regions clients register (--allow-client-shm), for the KServe API's tensors.
         self.shared_memory = SharedMemoryRegistry(s.allow_client_shm)
         add_service(
@@ -153,16 +156,19 @@ class GrpcFront:
             auth,
             self.calls,
             dispatcher.undecodable,
+            streams,
         )
         open_services = {name.strip() for name in s.auth_open.split(",")}
         health_auth = None if "health" in open_services else auth
-        add_service(self.server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"], health_auth)
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+        add_service(self.server, health_servicer, health_service, health_auth, streams=streams)
         services = (SERVICE_NAME, kserve_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         # The asyncio servicer that enable_server_reflection() installs on an aio server, registered
         # through add_service instead, so that tokens can guard it too (auth_open).
         reflector = ReflectionServicer(services, pool=_reflection_pool())
         reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
-        add_service(self.server, reflector, reflection_service, None if "reflection" in open_services else auth)
+        reflection_auth = None if "reflection" in open_services else auth
+        add_service(self.server, reflector, reflection_service, reflection_auth, streams=streams)
 
     def unsent_bytes(self) -> int:
         """Bytes of answers owed to clients now (edge/outbox.py): one integer, read from any thread."""
