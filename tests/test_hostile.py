@@ -666,6 +666,8 @@ def test_streams_past_max_open_streams_are_refused_as_they_open_and_the_rest_is_
         with Client(handle.target, timeout_s=10) as client:  # unary calls go on
             assert client.health() == "SERVING"
         still_serving(handle.target)
+        assert handle.sample("attnserve_open_streams") == 3
+        assert handle.sample("attnserve_refused_streams_total") == 2
         held.pop().put(None)  # a stream ends: one more may open
         deadline = time.monotonic() + 20
         while True:  # the slot frees once the server's handler has seen the stream end
@@ -681,3 +683,4 @@ def test_streams_past_max_open_streams_are_refused_as_they_open_and_the_rest_is_
             q.put(None)
         watch.cancel()
         channel.close()
+        handle.wait_for(lambda: handle.sample("attnserve_open_streams") == 0)

@@ -20,7 +20,7 @@ from attnserve_server.edge.front import GrpcFront, set_health
 from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
 from attnserve_server.edge.registration import OpenStreams, add_service
 from attnserve_server.errors import ConfigError, PortUnavailable
-from attnserve_server.metrics import Metrics
+from attnserve_server.metrics import FrontLoad, Metrics
 from attnserve_server.model import ServedModel, WorkerFactory
 from attnserve_server.multiprocess.supervisor import EdgeSupervisor
 from attnserve_server.runtime.cpu_layout import QuietLayout
@@ -58,6 +58,7 @@ class AttnServer:
         self.settings = settings = dataclasses.replace(settings, edge_processes=edges)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
+        self.metrics.watch_front(self._front_load)
         # Tracing from a provider given (tests), else from OTEL_* (the `otel` extra), else off.
         self._owns_tracing = tracer_provider is None
         self.tracing = Tracing(tracer_provider) if tracer_provider is not None else tracing_from_environment()
@@ -93,8 +94,16 @@ class AttnServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self.failed = asyncio.Event()
+        self._health_streams: OpenStreams | None = None  # the plaintext health port's, with one
         self._watchdog: Watchdog | None = None  # from start, with worker_stall_s > 0
         self._health_updates: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
+
+    def _front_load(self) -> FrontLoad:
+        """What this process's gRPC servers hold now (the edges' own come in their snapshots)."""
+        load = self._front.load() if self._front is not None else FrontLoad()
+        if (health := self._health_streams) is not None:
+            load += FrontLoad(0, health.count, health.refused)
+        return load
 
     def _on_quiet(self) -> None:
         """A request admitted after QUIET_STREAK in a row found the model quiet (on the loop). While the
@@ -147,7 +156,6 @@ class AttnServer:
         if s.edge_processes == 1:
             # The port answers (NOT_SERVING) while the models load.
             self._front = GrpcFront(s, self.models, self.metrics.for_unknown_models(), self._health, self.tracing)
-            self.metrics.watch_unsent(self._front.unsent_bytes)
             self.port = await self._front.start()
         else:
             # The port is claimed now; the edges serve it once the models are ready.
@@ -158,7 +166,8 @@ class AttnServer:
             # serves the same health statuses and nothing else.
             self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
-            add_service(self._health_server, self._health, health_service, streams=OpenStreams(s.max_open_streams))
+            self._health_streams = OpenStreams(s.max_open_streams)
+            add_service(self._health_server, self._health, health_service, streams=self._health_streams)
             try:
                 self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
             except RuntimeError:

@@ -56,7 +56,7 @@ class Metrics:
         self.registry = registry
         self._models: list[ModelMetrics] = []
         self._remote: list[Callable[[], list[ProcessSnapshot]]] = []
-        self._unsent: Callable[[], int] = lambda: 0  # watch_unsent
+        self._front: Callable[[], FrontLoad] = FrontLoad  # watch_front
         registry.register(_RequestPathCollector(self.snapshot, self._remote))
         registry.register(_BatchCollector(self._models))
         self.queue_capacity = Gauge(
@@ -101,18 +101,18 @@ class Metrics:
         return model_metrics
 
     def snapshot(self) -> ProcessSnapshot:
-        """The request path's numbers now, model by model, and the bytes of answers this process's gRPC
-        server owes (an edge process sends them to its engine)."""
-        return ProcessSnapshot([m.snapshot() for m in list(self._models)], self._unsent())
+        """The request path's numbers now, model by model, and what this process's gRPC servers hold (an
+        edge process sends them to its engine)."""
+        return ProcessSnapshot([m.snapshot() for m in list(self._models)], self._front())
 
     def add_remote(self, source: Callable[[], list[ProcessSnapshot]]) -> None:
         """Request-path numbers counted in other processes (the edges), summed into every scrape."""
         self._remote.append(source)
 
-    def watch_unsent(self, source: Callable[[], int]) -> None:
-        """`source()`: the bytes of answers this process's gRPC server owes its clients (edge/outbox.py),
-        read at scrape time."""
-        self._unsent = source
+    def watch_front(self, source: Callable[[], FrontLoad]) -> None:
+        """`source()`: what this process's gRPC servers hold now (answers owed, streams open), read at
+        scrape time."""
+        self._front = source
 
     def watch_cuda_memory(self, devices: list[str], pinned: Callable[[], dict[str, dict[str, int]]]) -> None:
         """Device memory per CUDA device, and `pinned()` ({model: {device: bytes}}) of page-locked host
@@ -305,12 +305,29 @@ class RequestPathSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontLoad:
+    """What a process's gRPC servers hold now: the bytes of answers they owe clients, being computed or
+    sent and not yet read (edge/outbox.py), the streams open, and the streams refused so far for
+    max_open_streams (edge/registration.OpenStreams)."""
+
+    unsent_bytes: int = 0
+    open_streams: int = 0
+    refused_streams: int = 0
+
+    def __add__(self, other: FrontLoad) -> FrontLoad:
+        return FrontLoad(
+            self.unsent_bytes + other.unsent_bytes,
+            self.open_streams + other.open_streams,
+            self.refused_streams + other.refused_streams,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessSnapshot:
-    """One process's request-path numbers: model by model, and the bytes of answers its gRPC server owes
-    its clients, being computed or sent and not yet read (edge/outbox.py)."""
+    """One process's request-path numbers, model by model, and what its gRPC servers hold."""
 
     models: list[RequestPathSnapshot]
-    unsent_bytes: int
+    front: FrontLoad
 
 
 def _sum_histograms(a: tuple[list[int], float], b: tuple[list[int], float]) -> tuple[list[int], float]:
@@ -390,10 +407,21 @@ class _RequestPathCollector(Collector):
             "Bytes of answers owed to clients: admitted requests' answers being computed, or sent and not yet"
             " read (max_unsent_bytes), over every gRPC process.",
         )
+        open_streams = GaugeMetricFamily(
+            "attnserve_open_streams",
+            "Streams open (AttendStream, ModelStreamInfer, health Watch, reflection), over every gRPC process.",
+        )
+        refused_streams = CounterMetricFamily(
+            "attnserve_refused_streams",
+            "Streams refused RESOURCE_EXHAUSTED as they opened: their gRPC process had max_open_streams open.",
+        )
         processes = [self._local()]
         for source in self._remote:
             processes.extend(source())
-        unsent.add_metric([], sum(p.unsent_bytes for p in processes))
+        front = sum((p.front for p in processes), FrontLoad())
+        unsent.add_metric([], front.unsent_bytes)
+        open_streams.add_metric([], front.open_streams)
+        refused_streams.add_metric([], front.refused_streams)
         for m in merge_snapshots(s for p in processes for s in p.models).values():
             for (method, code), n in m.requests.items():
                 requests.add_metric([m.model, method, code], n)
@@ -406,7 +434,7 @@ class _RequestPathCollector(Collector):
                 for reason, n in m.drops.items():
                     dropped.add_metric([m.model, reason], n)
             inflight.add_metric([m.model], m.inflight)
-        yield from (requests, duration, queue_wait, depth, inflight, dropped, unsent)
+        yield from (requests, duration, queue_wait, depth, inflight, dropped, unsent, open_streams, refused_streams)
 
 
 def _histogram(h: FastHistogram) -> tuple[list[tuple[str, int]], float]:

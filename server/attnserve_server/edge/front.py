@@ -27,7 +27,7 @@ from attnserve_server.edge.registration import CallsInFlight, OpenStreams, add_s
 from attnserve_server.edge.servicer import AttentionServicer
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
 from attnserve_server.errors import PortUnavailable
-from attnserve_server.metrics import ModelMetrics
+from attnserve_server.metrics import FrontLoad, ModelMetrics
 from attnserve_server.protocol import open_inference_pb2
 from attnserve_server.security import ReloadingTLS, token_auth
 from attnserve_server.settings import ServerSettings, compression_bitset
@@ -138,7 +138,7 @@ class GrpcFront:
         outbox = Outbox(s.max_unsent_bytes)
         self._dispatcher = dispatcher = Dispatcher(models, unknown_model_metrics, tracing, s.stream_window, outbox)
         self.calls = CallsInFlight()  # the two inference APIs' calls (health watches never end)
-        streams = OpenStreams(s.max_open_streams)  # every service's streams, health watches included
+        self.streams = streams = OpenStreams(s.max_open_streams)  # every service's, health watches included
         # Tokens guard both APIs; health and reflection are registered apart and stay open, so
         # orchestrators' probes and grpcurl's listing work without one (README: Security).
         auth = token_auth(s.auth_tokens_file, s.auth_tokens)
@@ -170,9 +170,10 @@ class GrpcFront:
         reflection_auth = None if "reflection" in open_services else auth
         add_service(self.server, reflector, reflection_service, reflection_auth, streams=streams)
 
-    def unsent_bytes(self) -> int:
-        """Bytes of answers owed to clients now (edge/outbox.py): one integer, read from any thread."""
-        return self._dispatcher.outbox.total
+    def load(self) -> FrontLoad:
+        """What the server holds now: answers owed to clients (edge/outbox.py) and streams (integers, read
+        from any thread)."""
+        return FrontLoad(self._dispatcher.outbox.total, self.streams.count, self.streams.refused)
 
     def reload_tls(self) -> None:
         """Reads the TLS files again for the next handshake (SIGHUP); open connections stay."""

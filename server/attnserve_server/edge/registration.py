@@ -126,10 +126,12 @@ class OpenStreams:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.count = 0
+        self.refused = 0  # streams refused so far
 
     async def open(self, context: grpc.aio.ServicerContext) -> None:
         """Counts a stream opening, or refuses it (the call ends RESOURCE_EXHAUSTED: nothing to `close`)."""
         if self.limit and self.count >= self.limit:
+            self.refused += 1
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"streams: this server has {self.count} open, the most it keeps (max_open_streams "

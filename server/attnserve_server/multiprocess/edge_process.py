@@ -320,7 +320,7 @@ async def run(link_fd: int, snapshot_fd: int, arena_fd: int, arena_bytes: int, b
     await set_health(servicer, tuple(models), NOT_SERVING)
     engine.health = servicer
     front = GrpcFront(settings, models, metrics.for_unknown_models(), servicer, tracing, port=port, share_port=True)
-    metrics.watch_unsent(front.unsent_bytes)
+    metrics.watch_front(front.load)
     front.shared_memory.forward = engine.forward_shared_memory  # registrations go through the engine to every edge
     engine.shared_memory = front.shared_memory
     try:
