@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve import AttnServeError, Client
+from attnserve import AsyncClient, AttnServeError, Client
 from attnserve.v1 import attention_pb2 as pb
 from attnserve_server.edge import payload
 from attnserve_server.protocol import open_inference_pb2 as v2
@@ -684,3 +684,30 @@ def test_streams_past_max_open_streams_are_refused_as_they_open_and_the_rest_is_
         watch.cancel()
         channel.close()
         handle.wait_for(lambda: handle.sample("attnserve_open_streams") == 0)
+
+
+def test_the_clients_see_a_stream_refused_for_max_open_streams_as_resource_exhausted() -> None:
+    one = settings(model(embed_dim=32, num_heads=4), max_open_streams=1, edge_processes=1)  # one process: full
+    q = np.ones((4, 32), np.float32)
+    with running(one) as handle, Client(handle.target, timeout_s=10) as client:
+        held: queue.Queue = queue.Queue()
+        held.put({"query": q})
+        stream = client.attend_stream(_held(held))
+        assert next(stream).output.shape == (4, 32)
+        with pytest.raises(AttnServeError) as refused:
+            list(client.attend_stream([{"query": q}]))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_open_streams 1" in str(refused.value)
+
+        async def asynchronously() -> None:
+            async def one_request():
+                yield {"query": q}
+
+            async with AsyncClient(handle.target, timeout_s=10) as aio:
+                with pytest.raises(AttnServeError) as refused:
+                    async for _ in aio.attend_stream(one_request()):
+                        pass
+                assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        asyncio.run(asynchronously())
+        held.put(None)
+        assert list(stream) == []
