@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from attnserve import AsyncClient, AttnServeError, Client
 from attnserve.v1 import attention_pb2 as pb
@@ -30,6 +32,7 @@ ATTEND_STREAM = "/attnserve.v1.AttentionService/AttendStream"
 GET_MODEL = "/attnserve.v1.AttentionService/GetModel"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 NOT_A_MESSAGE = b"\xff\xff\xff\xff\xff"
 # AttendRequest.model (field 1, a string) holding bytes that are not UTF-8.
 BAD_UTF8 = b"\x0a\x02\xff\xfe"
@@ -122,6 +125,25 @@ def test_a_kserve_stream_answers_an_undecodable_message_in_band_and_goes_on(defa
     assert "no id to echo" in bad.error_message
     assert bad.infer_response.parameters["error_code"].string_param == "INVALID_ARGUMENT"
     assert refused_unread(default_server, "ModelStreamInfer") == before + 1
+
+
+def test_a_reflection_stream_ends_invalid_argument_on_an_undecodable_message(
+    default_server: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Reflection's servicer took the Undecodable for a request: AttributeError, the stream ended UNKNOWN,
+    # and gRPC logged a traceback at ERROR for each such message.
+    listing = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    with grpc.insecure_channel(default_server.target) as channel:
+        call = channel.stream_stream(REFLECTION, request_serializer=None, response_deserializer=None)
+        answers = call(iter([listing, NOT_A_MESSAGE, listing]), timeout=30)
+        first = reflection_pb2.ServerReflectionResponse.FromString(next(answers))
+        assert first.WhichOneof("message_response") == "list_services_response"
+        with pytest.raises(grpc.RpcError) as ended:
+            next(answers)
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ended.value.details().startswith("request: not a valid grpc.reflection.v1alpha.ServerReflectionRequest")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    still_serving(default_server.target)
 
 
 def test_client_strings_in_errors_are_cut_short(default_server: Running) -> None:

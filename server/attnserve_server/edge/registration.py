@@ -238,6 +238,25 @@ def _streaming(handler, auth: TokenAuth | None, calls: CallsInFlight | None):
     return streaming
 
 
+def _parsed_only(handler, method: str):
+    """A stream whose servicer knows nothing of Undecodable (reflection's): a message that does not parse
+    ends the call INVALID_ARGUMENT, as a unary call's would, instead of reaching the servicer (which
+    raised AttributeError on it: UNKNOWN, and a traceback in the log for each such message)."""
+
+    async def stream(request_iterator, context: grpc.aio.ServicerContext):
+        async def parsed():
+            async for request in request_iterator:
+                if isinstance(request, Undecodable):
+                    note_undecodable(request, method, context.peer())
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.status_message)
+                yield request
+
+        async for response in handler(parsed(), context):
+            yield response
+
+    return stream
+
+
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -274,7 +293,9 @@ def add_service(
             told = undecodable if method.name in tensor_fields else note_undecodable
             behaviour = _unary(behaviour, method.name, auth, calls, told)
         elif method.client_streaming and inspect.isasyncgenfunction(behaviour):
-            wrap = auth is not None or calls is not None  # streams answer undecodables in band themselves
+            if method.name not in tensor_fields:  # ours answer undecodables in band; others cannot
+                behaviour = _parsed_only(behaviour, method.name)
+            wrap = auth is not None or calls is not None
             behaviour = _streaming(behaviour, auth, calls) if wrap else behaviour
         if streams is not None and (method.client_streaming or method.server_streaming):
             behaviour = _counted(behaviour, streams)
