@@ -33,6 +33,10 @@ from attnserve_server.security import TokenAuth, allowed_models
 
 log = logging.getLogger(__name__)
 _LOG_EVERY_S = 60.0
+# The largest request a method without tensors takes (health, reflection, metadata, shared memory
+# regions): each is a few names and numbers. A larger one is refused unparsed: protobuf copied and checked
+# a 100 MiB name, and the servicer hashed it, on the event loop (others' slowest W1 request 230-580 ms).
+MAX_CONTROL_BYTES = 64 * 1024
 _last_logged: dict[str, float] = {}  # peer host -> when an undecodable request from it was last logged
 
 
@@ -171,11 +175,14 @@ def _counted(handler, streams: OpenStreams):
 
 def _parser(cls, fields: payload.Fields | None, request_id: str | None):
     """Bytes -> the request message (a `payload.Received` where `fields` names its tensor bytes), or
-    an Undecodable."""
+    an Undecodable (as is a message over MAX_CONTROL_BYTES for a method without tensors)."""
     name = cls.DESCRIPTOR.full_name
     read = cls.FromString if fields is None else payload.Parser(cls, fields, request_id)
+    most = MAX_CONTROL_BYTES if fields is None else None
 
     def parse(data: bytes):
+        if most is not None and len(data) > most:
+            return Undecodable(name, f"{len(data):,} bytes, where this method takes at most {most:,}")
         try:
             return read(data)
         except DecodeError as exc:
