@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from attnserve import AsyncClient, AttnServeError, Client
 from attnserve.v1 import attention_pb2 as pb
-from attnserve_server.edge import payload
+from attnserve_server.edge import front, payload
 from attnserve_server.protocol import open_inference_pb2 as v2
 
 from conftest import Running, model, running, settings
@@ -760,3 +760,58 @@ def test_the_clients_see_a_stream_refused_for_max_open_streams_as_resource_exhau
         asyncio.run(asynchronously())
         held.put(None)
         assert list(stream) == []
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # and an empty SETTINGS
+
+
+def _closed_within(connection: socket.socket, seconds: float) -> bool:
+    """Whether the server closes the connection within `seconds` (what it sends meanwhile is dropped)."""
+    connection.settimeout(seconds)
+    try:
+        while connection.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_connection_that_never_shakes_hands_is_closed_after_the_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # gRPC's own timeout is 120 s: a client that connected and sent nothing held a descriptor that long
+    # (and, under max_connections, a connection's place).
+    monkeypatch.setattr(front, "HANDSHAKE_TIMEOUT_S", 0.5)
+    with running(settings(model(embed_dim=32, num_heads=4), edge_processes=1)) as handle:  # this process's
+        with socket.create_connection(("127.0.0.1", handle.server.port)) as silent:
+            assert _closed_within(silent, 10)
+        still_serving(handle.target)
+
+
+def test_connections_past_max_connections_are_closed_as_they_connect() -> None:
+    # Each idle HTTP/2 connection held ~14 KiB, and a client could open as many as descriptors allowed
+    # (5,000: +67 MiB).
+    with running(settings(model(embed_dim=32, num_heads=4), max_connections=3, edge_processes=1)) as handle:
+        address = ("127.0.0.1", handle.server.port)
+        held = [socket.create_connection(address) for _ in range(3)]
+        try:
+            for connection in held:
+                connection.sendall(_PREFACE)
+            with socket.create_connection(address) as extra:
+                extra.sendall(_PREFACE)
+                assert _closed_within(extra, 10)
+            with Client(handle.target, timeout_s=5, retries=False) as client, pytest.raises(AttnServeError) as err:
+                client.health()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert not any(_closed_within(c, 0.05) for c in held)  # those held stay
+            held.pop().close()  # a place frees once the server has seen the close
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    still_serving(handle.target)
+                    break
+                except AttnServeError as refused:
+                    assert refused.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+        finally:
+            for connection in held:
+                connection.close()

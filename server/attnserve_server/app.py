@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from attnserve_server import metrics_http
 from attnserve_server.compute.threads import CpuThreads
 from attnserve_server.compute.worker import DeviceWorker
-from attnserve_server.edge.front import GrpcFront, set_health
+from attnserve_server.edge.front import GrpcFront, connection_options, set_health
 from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
 from attnserve_server.edge.registration import OpenStreams, add_service
 from attnserve_server.errors import ConfigError, PortUnavailable
@@ -164,7 +164,7 @@ class AttnServer:
         if s.health_port >= 0:
             # Kubernetes' gRPC probe speaks no TLS: with TLS on, probes ask this plaintext port, which
             # serves the same health statuses and nothing else.
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *connection_options(s)])
             health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
             self._health_streams = OpenStreams(s.max_open_streams)
             add_service(self._health_server, self._health, health_service, streams=self._health_streams)

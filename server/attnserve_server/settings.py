@@ -142,6 +142,9 @@ class ServerSettings:
     # message whole before the server sees it, so each compressed one may cost max_message_bytes of memory
     # for a thousandth of it on the wire.
     accept_compression: str = ""
+    # Client connections a gRPC process holds at once (each idle one about 14 KiB); one past it is closed
+    # as it connects (its client sees UNAVAILABLE); 0: no limit.
+    max_connections: int = 10_000
     # Streams a gRPC process keeps open at once, of every service (health watches and reflection too): each
     # holds about 30 KiB while it is open; one past it is refused RESOURCE_EXHAUSTED; 0: no limit.
     max_open_streams: int = 4096
@@ -241,6 +244,14 @@ OPTIONS: tuple[Option, ...] = (
         "compressed requests accepted: gzip, deflate, a comma list of both, or '' (default: none; a compressed"
         " request is refused UNIMPLEMENTED). gRPC inflates each whole, up to --max-message-bytes, before the"
         " server sees it: a few KiB on the wire can cost that much memory",
+    ),
+    Option(
+        "max-connections",
+        "server",
+        int,
+        "client connections a gRPC process holds at once, each idle one about 14 KiB; one past it is closed as"
+        " it connects (its client sees UNAVAILABLE, and may retry or reach another replica); 0: no limit"
+        " (default 10000)",
     ),
     Option(
         "max-open-streams",
@@ -651,6 +662,7 @@ def validate(settings: ServerSettings) -> None:
     )
     _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
     _check(settings.max_unsent_bytes >= 0, f"max_unsent_bytes: expected >= 0, got {settings.max_unsent_bytes}")
+    _check(settings.max_connections >= 0, f"max_connections: expected >= 0, got {settings.max_connections}")
     _check(settings.max_open_streams >= 0, f"max_open_streams: expected >= 0, got {settings.max_open_streams}")
     unknown = sorted(set(compression_names(settings.accept_compression)) - set(COMPRESSION_ALGORITHMS))
     got = unknown[0] if unknown else ""

@@ -41,6 +41,10 @@ HEALTH_SERVICES = (SERVICE_NAME, kserve_servicer.SERVICE_NAME)
 # default (64 KiB) a megabyte request takes several round trips (measured: 1 MiB each way, 12.7 ms at
 # the default, 8.6 ms at 16 MiB). The client sets the same for its answers.
 STREAM_LOOKAHEAD_BYTES = 16 * 1024 * 1024
+# How long a new connection may take to finish its handshake (TLS, and the HTTP/2 preface) before it is
+# closed: gRPC's default is 120 s, for which a client that connected and sent nothing held a descriptor
+# and, under max_connections, a connection's place.
+HANDSHAKE_TIMEOUT_S = 10.0
 # After the models have drained, how long late calls are still answered UNAVAILABLE before gRPC stops.
 SHUTDOWN_LINGER_S = 0.25
 # Once every inference call the front took is answered, how long gRPC may still take to send the last
@@ -74,6 +78,15 @@ class EndedCallLog(logging.Filter):
         logger = logging.getLogger(cls.LOGGER)
         if not any(isinstance(f, cls) for f in logger.filters):
             logger.addFilter(cls())
+
+
+def connection_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """The gRPC options that bound a server's connections: how many it holds (max_connections; past it a
+    new one is closed as it connects) and how long each may take to shake hands (HANDSHAKE_TIMEOUT_S)."""
+    options = [("grpc.server_handshake_timeout_ms", round(HANDSHAKE_TIMEOUT_S * 1000))]
+    if settings.max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", settings.max_connections))
+    return options
 
 
 def _reflection_pool() -> descriptor_pool.DescriptorPool:
@@ -119,6 +132,7 @@ class GrpcFront:
             # would start and silently take part of the traffic. Off, it fails to bind; on only
             # for the edge processes of one server, on the port their engine reserved.
             ("grpc.so_reuseport", 1 if share_port else 0),
+            *connection_options(s),
             # Clients' keepalive pings are welcome every client_ping_min_s, with or without calls.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", round(s.client_ping_min_s * 1000)),
