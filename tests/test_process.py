@@ -350,6 +350,20 @@ def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp
     r = run_cli("infer", "--target", default_server.target, "--query", str(tmp_path / "q64.npy"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "unsupported dtype float64" in r.stderr and "pass dtype='float32'" in r.stderr
+    (tmp_path / "garbage.npy").write_bytes(b"not an array")  # numpy said it held pickled data
+    r = run_cli("infer", "--target", default_server.target, "--query", str(tmp_path / "garbage.npy"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"attnserve infer: {tmp_path / 'garbage.npy'}: not a .npy file (numpy.save writes one)"
+    # Random data past what a message carries: a MemoryError's traceback (391 GiB), or minutes of generating.
+    r = run_cli("infer", "--target", default_server.target, "--batch", "100000", "--seq-len", "4096")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "attnserve infer: random data: 100000 x 4096 x 32 float32 values take 50,000.0 MiB, more than a message"
+        " carries (256.0 MiB): pass a smaller --batch, --seq-len or --kv-len"
+    )
+    for flag, value in (("--key-lengths", "x"), ("--batch", "-1"), ("--seq-len", "0")):  # int('x'), numpy's words
+        r = run_cli("infer", "--target", default_server.target, flag, value)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"attnserve infer: error: argument {flag}: expected " in r.stderr and f"got '{value}'" in r.stderr
     # serve and bench in a client-only install (torch absent) say which extra to install.
     serve = BLOCK_TORCH.split("import numpy")[0] + "from attnserve_server.cli import main\nsys.exit(main(['serve']))\n"
     r = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, timeout=60)

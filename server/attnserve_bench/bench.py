@@ -30,7 +30,7 @@ import numpy as np
 
 from attnserve_bench.process import spawn_serve
 from attnserve_bench.results import Row, medians, plot, table
-from attnserve_server.connect import Refused, add_connection_flags, connection_from
+from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, whole_number
 from attnserve_server.runtime import allocator, openmp
 
 
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
     p.add_argument(
         "--seq-len",
-        type=_lengths,
+        type=lengths,
         default=(64,),
         help="query length L, or a comma list of lengths the requests take in turn: mixed lengths, "
         "one per request (default 64)",
@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rounds",
-        type=_positive,
+        type=whole_number,
         default=1,
         help="measure every level this many times in turn, each followed at once by its own in-process "
         "limit (the server idle meanwhile), and print medians: the ratio is the median of the rounds' "
@@ -437,26 +437,6 @@ def _progress(label: str) -> Any:
     except ImportError:
         return _NoProgress()
     return tqdm(desc=f"  {label}", unit=" req", file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        lengths = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        lengths = ()
-    if not lengths or min(lengths) < 1:
-        raise argparse.ArgumentTypeError(f"expected a length or a comma list of lengths >= 1, got {text!r}")
-    return lengths
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return n
 
 
 def _inputs(info: Any, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from attnserve_server.connect import Refused, add_connection_flags, connection_from
+from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, whole_number
 from attnserve_server.runtime import allocator, files, openmp, pyheap
 from attnserve_server.settings import OPTIONS
 
@@ -45,11 +45,11 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-value", help=".npy file: X' for cross attention")
     p.add_argument("--key", help=".npy file: K (bare operation) or key input (MHA with kdim)")
     p.add_argument("--value", help=".npy file: V (bare operation) or value input (MHA with vdim)")
-    p.add_argument("--batch", type=int, default=1, help="random data: sequences (default 1)")
-    p.add_argument("--seq-len", type=int, default=64, help="random data: query length L (default 64)")
-    p.add_argument("--kv-len", type=int, help="random data: key length S; cross attention when given")
+    p.add_argument("--batch", type=whole_number, default=1, help="random data: sequences (default 1)")
+    p.add_argument("--seq-len", type=whole_number, default=64, help="random data: query length L (default 64)")
+    p.add_argument("--kv-len", type=whole_number, help="random data: key length S; cross attention when given")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--key-lengths", help="comma list of key lengths, one per sequence")
+    p.add_argument("--key-lengths", type=lengths, help="comma list of key lengths, one per sequence")
     p.add_argument("--need-weights", action="store_true", help="also return the attention matrix")
     p.add_argument("--average-weights", action="store_true", help="average the matrix over heads")
     p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
@@ -202,10 +202,16 @@ def _summary(name: str, arr: Any) -> str:
     )
 
 
+# What every .npy file starts with (numpy.lib.format).
+NPY_MAGIC = b"\x93NUMPY"
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
 
     from attnserve import AttnServeError, Client
+    from attnserve._channel import DEFAULT_MAX_MESSAGE_BYTES
+    from attnserve_server.errors import size_text
 
     rng = np.random.default_rng(args.seed)
     try:
@@ -220,8 +226,11 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
             def load(path: str) -> Any:
                 try:
+                    with open(path, "rb") as f:
+                        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+                            raise Refused(f"{path}: not a .npy file (numpy.save writes one)")
                     return np.load(path)
-                except (OSError, ValueError) as exc:  # missing, unreadable, or not a .npy file
+                except (OSError, ValueError) as exc:  # missing, unreadable, or a .npy file that is not whole
                     raise Refused(f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
 
             def data(path: str | None, length: int | None, width: int) -> Any:
@@ -229,6 +238,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
                     return load(path)
                 if length is None:
                     return None
+                nbytes = args.batch * length * width * 4
+                if nbytes > DEFAULT_MAX_MESSAGE_BYTES:
+                    raise Refused(
+                        f"random data: {args.batch} x {length} x {width} float32 values take {size_text(nbytes)}, "
+                        f"more than a message carries ({size_text(DEFAULT_MAX_MESSAGE_BYTES)}): pass a smaller "
+                        "--batch, --seq-len or --kv-len"
+                    )
                 return rng.standard_normal((args.batch, length, width), dtype=np.float32)
 
             query = data(args.query, args.seq_len, info.embed_dim)
@@ -242,7 +258,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
             elif kv_len is not None:
                 fields["key_value"] = data(None, kv_len, info.kdim)
             if args.key_lengths:
-                fields["key_lengths"] = [int(x) for x in args.key_lengths.split(",")]
+                fields["key_lengths"] = list(args.key_lengths)
             result = client.attend(
                 query,
                 model=args.model,

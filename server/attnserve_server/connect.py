@@ -1,4 +1,5 @@
-"""Connection flags shared by the commands that call a server (infer, health, bench): TLS and tokens."""
+"""What the commands that call a server (infer, health, bench) share: TLS and token flags, the argument
+types their numbers take, and `Refused`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,28 @@ from typing import Any
 
 class Refused(Exception):
     """A user mistake a command reports in one line (exit 2), not with a traceback."""
+
+
+def whole_number(text: str) -> int:
+    """An argument type: a whole number >= 1 (argparse reports anything else in one line)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """An argument type: a length or a comma list of lengths, each >= 1."""
+    try:
+        values = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a length or a comma list of lengths >= 1, got {text!r}")
+    return values
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
