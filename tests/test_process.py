@@ -411,7 +411,19 @@ def test_bench_sends_mixed_lengths_in_turn(default_server: Running, tmp_path: Pa
     assert 4 < mean < 6
     bad = run_cli("bench", "--target", default_server.target, "--seq-len", "8,0")
     assert bad.returncode == 2
-    assert "--seq-len: expected a length or a comma list of lengths >= 1, got '8,0'" in bad.stderr
+    assert "--seq-len: expected a length or a comma list of them, each >= 1, got '8,0'" in bad.stderr
+    # Before: int()'s traceback for --concurrency a,b; and a server not there was waited for a minute, silently.
+    for flag, value, expected in (
+        ("--concurrency", "a,b", "expected a number of requests or a comma list of them, each >= 1, got 'a,b'"),
+        ("--duration-s", "-1", "expected a number of seconds > 0, got '-1'"),
+    ):
+        bad = run_cli("bench", "--target", default_server.target, flag, value)
+        assert bad.returncode == 2 and f"argument {flag}: {expected}" in bad.stderr and "Traceback" not in bad.stderr
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # a port nothing listens on
+        gone = f"127.0.0.1:{unused.getsockname()[1]}"
+        bad = run_cli("bench", "--target", gone, "--concurrency", "1", "--no-inprocess")
+    assert bad.returncode == 1 and bad.stderr.startswith(f"attnserve bench: {gone}: UNAVAILABLE: ")
 
 
 def test_bench_rounds_measure_each_level_beside_its_own_limit(default_server: Running, tmp_path: Path) -> None:

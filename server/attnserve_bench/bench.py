@@ -30,7 +30,15 @@ import numpy as np
 
 from attnserve_bench.process import spawn_serve
 from attnserve_bench.results import Row, medians, plot, table
-from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, whole_number
+from attnserve_server.connect import (
+    Refused,
+    add_connection_flags,
+    comma_list,
+    connection_from,
+    lengths,
+    seconds,
+    whole_number,
+)
 from attnserve_server.runtime import allocator, openmp
 
 
@@ -44,11 +52,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="benchmark a running server instead of starting one")
     add_connection_flags(p)  # for --target: the servers bench starts itself are plaintext
     p.add_argument("--model", default="default", help="model name (default 'default')")
-    p.add_argument("--concurrency", default="1,8,32,64", help="comma list of in-flight requests (default 1,8,32,64)")
-    p.add_argument("--duration-s", type=float, default=8.0, help="measured seconds per level (default 8)")
+    p.add_argument(
+        "--concurrency",
+        type=comma_list("a number of requests"),
+        default=(1, 8, 32, 64),
+        help="comma list of in-flight requests (default 1,8,32,64)",
+    )
+    p.add_argument("--duration-s", type=seconds, default=8.0, help="measured seconds per level (default 8)")
     p.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
     p.add_argument("--processes", type=int, default=0, help="client processes (default: min(concurrency, cores))")
-    p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
+    p.add_argument("--batch", type=whole_number, default=1, help="sequences per request (default 1)")
     p.add_argument(
         "--seq-len",
         type=lengths,
@@ -56,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="query length L, or a comma list of lengths the requests take in turn: mixed lengths, "
         "one per request (default 64)",
     )
-    p.add_argument("--kv-len", type=int, help="key length S: cross attention (MHA) or K/V length (sdpa)")
+    p.add_argument("--kv-len", type=whole_number, help="key length S: cross attention (MHA) or K/V length (sdpa)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument(
@@ -818,7 +831,7 @@ def _progress_line(row: Row, rounds: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnserve import Client
+    from attnserve import AttnServeError, Client
 
     # The in-process limit runs under the OpenMP policy and the malloc settings the server runs
     # under (see cli.cmd_serve); set before torch loads in this process.
@@ -832,7 +845,7 @@ def run(args: argparse.Namespace) -> int:
     except Refused as exc:
         print(f"attnserve bench: {exc}", file=sys.stderr)
         return 2
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = list(args.concurrency)
     edge_counts = args.edge_processes.split(",")
     if args.shared_memory and args.perf_analyzer and args.kind == "mha" and args.kv_len:
         print(
@@ -856,8 +869,14 @@ def run(args: argparse.Namespace) -> int:
             proc, target = _start_server(args, *variant)
             label = f"max_batch={variant[0]}" + (f" edges={variant[1]}" if edge_counts != ["auto"] else "")
         try:
-            with Client(target, wait_for_ready=True, timeout_s=60, **args.connection) as client:
-                info = client.model(args.model)
+            # A server bench started is ready (spawn_serve waited for it); one given by --target is either
+            # there or named in one line at once, not waited for in silence.
+            try:
+                with Client(target, timeout_s=10, **args.connection) as client:
+                    info = client.model(args.model)
+            except AttnServeError as exc:
+                print(f"attnserve bench: {label}: {exc.code.name}: {exc.message}", file=sys.stderr)
+                return 1
             inputs = _inputs(info, args)
             if args.floor and echo is None:
                 echo = _start_echo(target, args.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,15 +24,33 @@ def whole_number(text: str) -> int:
     return n
 
 
-def lengths(text: str) -> tuple[int, ...]:
-    """An argument type: a length or a comma list of lengths, each >= 1."""
+def comma_list(what: str) -> Callable[[str], tuple[int, ...]]:
+    """An argument type: `what` (a whole number >= 1), or a comma list of them."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"expected {what} or a comma list of them, each >= 1, got {text!r}")
+        return values
+
+    return parse
+
+
+lengths = comma_list("a length")
+
+
+def seconds(text: str) -> float:
+    """An argument type: a number of seconds > 0."""
     try:
-        values = tuple(int(n) for n in text.split(","))
+        value = float(text)
     except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a length or a comma list of lengths >= 1, got {text!r}")
-    return values
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
