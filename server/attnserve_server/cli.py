@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, whole_number
+from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, seconds, whole_number
 from attnserve_server.runtime import allocator, files, openmp, pyheap
 from attnserve_server.settings import OPTIONS
 
@@ -54,7 +54,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--average-weights", action="store_true", help="average the matrix over heads")
     p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
     p.add_argument("--output", help="save Y to this .npy file")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="deadline (default 30)")
+    p.add_argument("--timeout-s", type=seconds, default=30.0, help="deadline (default 30)")
     add_connection_flags(p)
 
 
@@ -75,7 +75,7 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
         "the server's own port in its container)",
     )
     p.add_argument("--service", default="", help="'' for the server (default), a service or a model name")
-    p.add_argument("--timeout-s", type=float, default=3.0, help="deadline (default 3)")
+    p.add_argument("--timeout-s", type=seconds, default=3.0, help="deadline (default 3)")
     add_connection_flags(p)
 
 
