@@ -142,6 +142,20 @@ def test_unknown_keys_and_duplicates_in_a_file_are_errors(tmp_path: Path) -> Non
         load_settings(str(tmp_path / "missing.yaml"))
 
 
+def test_a_list_or_a_mapping_where_a_file_wants_one_value_is_named(tmp_path: Path) -> None:
+    # Before: int()'s own words for a port, and a host of "[1, 2]" taken as a string, to fail at bind.
+    f = tmp_path / "c.yaml"
+    for text, message in (
+        ("port: [1, 2]\n", "port: expected an integer, got [1, 2]"),
+        ("host: [1, 2]\n", "host: expected a string, got [1, 2]"),
+        ("grace_s: {a: 1}\n", "grace_s: expected a number, got {'a': 1}"),
+    ):
+        f.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_settings(str(f))
+        assert str(err.value) == f"config file {f}: {message}"
+
+
 def test_auto_dtype_is_bfloat16_on_gpus_only_and_float32_otherwise() -> None:
     import torch
 

@@ -489,6 +489,9 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -508,6 +511,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return value if isinstance(value, bool) else parse_bool(str(value))
         if hint is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
             raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, list | dict):  # int(), float() and str() have their own words for these, or none
+            raise ValueError(f"expected {_KIND_NAMES.get(hint, hint.__name__)}, got {value!r}")
         return hint(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
