@@ -498,7 +498,12 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None or (inner is int and isinstance(value, str) and value.strip().lower() == "auto"):
             return None  # an optional count's None is its automatic choice (edge_processes, torch_threads)
-        return _convert(value, inner, where)
+        try:
+            return _convert(value, inner, where)
+        except ConfigError:
+            if inner is not int:
+                raise
+            raise ConfigError(f"{where}: expected auto or an integer, got {value!r}") from None
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if origin is tuple:
@@ -511,11 +516,14 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return value if isinstance(value, bool) else parse_bool(str(value))
         if hint is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
             raise ValueError(f"expected an integer, got {value!r}")
-        if isinstance(value, list | dict):  # int(), float() and str() have their own words for these, or none
+        if isinstance(value, list | dict):  # str() would take them as they print
             raise ValueError(f"expected {_KIND_NAMES.get(hint, hint.__name__)}, got {value!r}")
-        return hint(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    try:
+        return hint(value)
+    except (TypeError, ValueError):  # int()'s and float()'s own words name neither the kind nor the setting
+        raise ConfigError(f"{where}: expected {_KIND_NAMES.get(hint, hint.__name__)}, got {value!r}") from None
 
 
 def _closest(name: str, known) -> str:
