@@ -364,6 +364,55 @@ def test_async_stream_sends_from_an_async_source_as_answers_come_back(default_se
     assert all(r.error is None for r in results)
 
 
+class Broke(Exception):
+    """The caller's own failure, raised by its iterable of stream requests."""
+
+
+def breaking_requests():
+    yield {"query": x(3, E), "request_id": "a"}
+    yield {"query": x(4, E), "request_id": "b"}
+    raise Broke("the caller's source of requests failed")
+
+
+def not_encodable_requests():
+    yield {"query": x(3, E), "request_id": "a"}
+    yield {"query": "not an array", "request_id": "b"}
+
+
+async def breaking_async_requests():
+    for request in breaking_requests():
+        yield request
+
+
+def test_a_stream_whose_requests_raise_answers_those_sent_then_raises_the_callers_exception(
+    default_server: Running,
+) -> None:
+    # gRPC cancels such a call and reports UNKNOWN "Exception iterating requests!" (grpc.aio: INTERNAL),
+    # losing the answers in flight and the caller's exception.
+    with Client(default_server.target, timeout_s=30) as c:
+        seen = []
+        with pytest.raises(Broke, match="source of requests failed"):
+            for result in c.attend_stream(breaking_requests()):
+                seen.append(result.request_id)
+        assert sorted(seen) == ["a", "b"]
+        seen.clear()
+        with pytest.raises(ValueError, match="query: unsupported dtype"):
+            for result in c.attend_stream(not_encodable_requests()):
+                seen.append(result.request_id)
+        assert seen == ["a"]
+
+    async def main(requests) -> list[str]:
+        seen = []
+        async with AsyncClient(default_server.target, timeout_s=30) as c:
+            with pytest.raises(Broke, match="source of requests failed"):
+                async for result in c.attend_stream(requests):
+                    seen.append(result.request_id)
+        return sorted(seen)
+
+    assert asyncio.run(main(breaking_requests())) == ["a", "b"]
+    assert asyncio.run(main(breaking_async_requests())) == ["a", "b"]
+
+
 def test_a_stream_is_read_at_most_its_window_ahead_of_the_answers_sent() -> None:
     async def main() -> None:
         pulled = 0

@@ -19,20 +19,12 @@ from attnserve._channel import (
     channel_options,
     resolve_target,
 )
-from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
+from attnserve._codec import decode_model, decode_response, encode_request
 from attnserve._errors import AttnServeError, status_code_from_number, translate_errors
-from attnserve._sync import _stream_ids
+from attnserve._outgoing import AsyncStreamRequests, StreamRequests
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
-
-
-async def _async_stream_ids(requests: AsyncIterable[Request | Mapping[str, Any]]) -> AsyncIterator[pb.AttendRequest]:
-    index = 0
-    async for spec in requests:
-        yield encode_stream_request(index, spec)
-        index += 1
-
 
 # grpc.aio writes a stream's requests from a task of its own, which races the call's end: a write or the
 # half-close that core refuses because the call has just ended (its deadline passed, or the server closed it)
@@ -183,7 +175,7 @@ class AsyncClient:
         """As `Client.attend_stream`; `requests` may also be an async iterable (an async generator
         fed by a queue, say), read as the stream goes: each request is sent when it is produced,
         while earlier answers are already coming back."""
-        outgoing = _async_stream_ids(requests) if isinstance(requests, AsyncIterable) else _stream_ids(requests)
+        outgoing = AsyncStreamRequests(requests) if isinstance(requests, AsyncIterable) else StreamRequests(requests)
         args = self._call_args(timeout_s)
         timeout = args["timeout"]
         deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
@@ -196,10 +188,13 @@ class AsyncClient:
                     async for msg in call:
                         yield decode_response(msg)
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError):
+                        outgoing.raise_error()
                     lost = await _lost_stream_status(exc, deadline, call, status)
                     if lost is None:
                         raise
                     raise lost from None
+            outgoing.raise_error()
         finally:
             call.cancel()
 

@@ -16,16 +16,12 @@ from attnserve._channel import (
     channel_options,
     resolve_target,
 )
-from attnserve._codec import decode_model, decode_response, encode_request, encode_stream_request
-from attnserve._errors import translate_errors
+from attnserve._codec import decode_model, decode_response, encode_request
+from attnserve._errors import AttnServeError, translate_errors
+from attnserve._outgoing import StreamRequests
 from attnserve._types import AttendResult, ModelInfo, Request
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
-
-
-def _stream_ids(requests: Iterable[Request | Mapping[str, Any]]) -> Iterator[pb.AttendRequest]:
-    for index, spec in enumerate(requests):
-        yield encode_stream_request(index, spec)
 
 
 class Client:
@@ -90,13 +86,20 @@ class Client:
         """Sends requests over one bidirectional stream; yields results as they complete.
 
         A request that fails yields a result with `error` set; the stream goes on.
-        Requests without a request_id get their index in `requests` as id.
+        Requests without a request_id get their index in `requests` as id. If `requests` raises, or
+        one of its requests cannot be encoded, no more are sent: the answers to those already sent
+        still come, then that exception is raised here.
         """
-        call = self._stub.AttendStream(_stream_ids(requests), **self._call_args(timeout_s))
+        outgoing = StreamRequests(requests)
+        call = self._stub.AttendStream(outgoing, **self._call_args(timeout_s))
         try:
-            with translate_errors():
+            try:
                 for msg in call:
                     yield decode_response(msg)
+            except grpc.RpcError as error:
+                outgoing.raise_error()
+                raise AttnServeError.from_rpc_error(error) from None
+            outgoing.raise_error()
         finally:
             call.cancel()
 
