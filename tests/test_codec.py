@@ -77,6 +77,31 @@ def test_request_encoding_sends_average_weights_only_with_need_weights() -> None
     assert msg.key_lengths.dtype == pb.DATA_TYPE_INT64 and not msg.HasField("key_padding_mask")
 
 
+def test_masks_and_lengths_that_would_change_in_conversion_are_refused_naming_the_field() -> None:
+    # Before, np.asarray(..., dtype=bool) and (..., dtype=np.int64) took them silently: a float mask of
+    # 0.5 (torch: add 0.5 to the scores) hid its key, a 0/1 integer mask (1 = seen, Hugging Face's sense)
+    # hid the keys meant to be seen, and a length of 2.5 became 2.
+    q = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"key_padding_mask: .* got float32 values such as 0\.5: an additive bias"):
+        encode_request(Request(query=q, key_padding_mask=np.array([0, 0.5, 0], np.float32)))
+    with pytest.raises(ValueError, match=r"key_padding_mask: expected booleans .* got int64 .*attention_mask == 0"):
+        encode_request(Request(query=q, key_padding_mask=np.array([0, 1, 1])))
+    with pytest.raises(ValueError, match=r"key_lengths: expected integers, got float64 2\.5"):
+        encode_request(Request(query=q, key_lengths=[2.5]))
+    with pytest.raises(ValueError, match="key_lengths: expected lengths below 2\\*\\*63"):
+        encode_request(Request(query=q, key_lengths=np.array([2**64 - 1], np.uint64)))
+    with pytest.raises(TypeError, match="request_id: expected a str, got int 5"):
+        encode_request(Request(query=q, request_id=5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="causal: expected a bool, got str 'yes'"):
+        encode_request(Request(query=q, causal="yes"))  # type: ignore[arg-type]
+    # torch's float form of a boolean mask, and booleans as lists, are taken
+    msg = encode_request(Request(query=q, key_padding_mask=[0, -np.inf, 0], key_lengths=np.array([2], np.uint8)))
+    assert decode_tensor(msg.key_padding_mask).tolist() == [False, True, False]
+    assert decode_tensor(msg.key_lengths).tolist() == [2] and msg.key_lengths.dtype == pb.DATA_TYPE_INT64
+    listed = encode_request(Request(query=q, key_padding_mask=[True, False])).key_padding_mask
+    assert decode_tensor(listed).dtype == bool
+
+
 def test_in_band_stream_errors_decode_to_an_error_result() -> None:
     msg = pb.AttendResponse(request_id="7", error=pb.Status(code=3, message="query.shape: bad"))
     result = decode_response(msg)

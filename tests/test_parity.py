@@ -146,6 +146,20 @@ def test_boolean_key_padding_mask_and_averaged_weights(parity) -> None:
     close(got.attention_weights, a)
 
 
+def test_torchs_float_key_padding_mask_of_zeros_and_minus_infinity(parity) -> None:
+    # torch adds a float mask to the scores: 0 and -inf are the boolean mask, and are taken as it.
+    handle, refs = parity
+    x = rand(2, 6, E)
+    mask = np.zeros((2, 6), np.float32)
+    mask[0, [1, 4]] = -np.inf
+    mask[1, 5] = -np.inf
+    with Client(handle.target) as c:
+        got = c.attend(x, model="self", key_padding_mask=mask, need_weights=True)
+    y, a = reference(refs["self"], x, x, x, mask=mask, need_weights=True, average=True)
+    close(got.output, y)
+    close(got.attention_weights, a)
+
+
 def test_cross_attention_with_kdim_and_vdim(parity) -> None:
     handle, refs = parity
     q, k, v = rand(2, 5, E), rand(2, 11, 24), rand(2, 11, 40)

@@ -111,7 +111,58 @@ def encode_stream_request(index: int, spec: Request | Mapping[str, Any]) -> pb.A
     return msg
 
 
+def _checked_fields(req: Request) -> None:
+    """The plain fields' types, named: protobuf's own complaint names neither field nor type."""
+    for name in ("model", "request_id"):
+        value = getattr(req, name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name}: expected a str, got {type(value).__name__} {value!r}")
+    for name in ("causal", "need_weights", "average_weights"):
+        value = getattr(req, name)
+        if not isinstance(value, (bool, int, np.bool_, np.integer)):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def key_padding_mask(value: Any) -> np.ndarray:
+    """The mask as booleans, True where a key is ignored (torch's boolean form). torch's float form is
+    added to the scores; 0 and -inf, the boolean mask it stands for, are taken as such. Any other
+    float (an additive bias) and integers are refused: 0/1 integers are ambiguous (a Hugging Face
+    attention_mask is 1 where a key is seen, the opposite)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind == "b":
+        return arr
+    if arr.dtype.kind == "f":
+        hidden = np.isneginf(arr)
+        other = ~hidden & (arr != 0)
+        if not other.any():
+            return hidden
+        example = arr[other].flat[0].item()
+        raise ValueError(
+            "key_padding_mask: expected booleans (True: that key is ignored) or torch's float form of them "
+            f"(0 or -inf), got {arr.dtype} values such as {example!r}: an additive bias is not supported"
+        )
+    hint = ""
+    if arr.dtype.kind in "iu":
+        hint = " (a Hugging Face attention_mask, 1 where a key is seen, is `attention_mask == 0` here)"
+    raise ValueError(
+        f"key_padding_mask: expected booleans (True: that key is ignored, as in torch), got {arr.dtype}{hint}"
+    )
+
+
+def key_lengths(value: Any) -> np.ndarray:
+    """The lengths as int64, refusing what would change in the conversion (fractions, out of range)."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"key_lengths: expected integers, got {arr.dtype} {arr.flat[0].item()!r}")
+    if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"key_lengths: expected lengths below 2**63, got {int(arr.max())}")
+    return arr.astype(np.int64, copy=False)
+
+
 def encode_request(req: Request) -> pb.AttendRequest:
+    _checked_fields(req)
     msg = pb.AttendRequest(
         model=req.model,
         request_id=req.request_id,
@@ -127,9 +178,9 @@ def encode_request(req: Request) -> pb.AttendRequest:
         if value is not None:
             fill_tensor(getattr(msg, field_name), value, field_name, req.dtype)
     if req.key_padding_mask is not None:
-        fill_tensor(msg.key_padding_mask, np.asarray(req.key_padding_mask, dtype=bool), "key_padding_mask")
+        fill_tensor(msg.key_padding_mask, key_padding_mask(req.key_padding_mask), "key_padding_mask")
     if req.key_lengths is not None:
-        fill_tensor(msg.key_lengths, np.asarray(req.key_lengths, dtype=np.int64), "key_lengths")
+        fill_tensor(msg.key_lengths, key_lengths(req.key_lengths), "key_lengths")
     return msg
 
 
