@@ -77,3 +77,24 @@ def test_without_retries_unavailable_reaches_the_caller(flaky) -> None:
 def test_keepalive_must_be_a_positive_number_of_seconds(keepalive_s: float) -> None:
     with pytest.raises(ValueError, match="keepalive_s: expected a number of seconds > 0"):
         Client("127.0.0.1:1", keepalive_s=keepalive_s)
+
+
+@pytest.mark.parametrize("timeout_s", [0, 0.0, -5, float("nan")])
+def test_a_timeout_that_is_no_deadline_is_refused_naming_it(flaky, timeout_s: float) -> None:
+    # Before, gRPC took each as a deadline already passed: DEADLINE_EXCEEDED from a call never sent.
+    servicer, target = flaky
+    with pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0, or None for no deadline"):
+        Client(target, timeout_s=timeout_s)
+    with Client(target) as c, pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0"):
+        c.attend(np.ones((2, 4), np.float32), timeout_s=timeout_s)
+    assert not servicer.attempts
+
+
+def test_an_infinite_timeout_is_no_deadline(flaky) -> None:
+    # Before, gRPC took infinity for a deadline already passed: DEADLINE_EXCEEDED at once.
+    servicer, target = flaky
+    with Client(target, timeout_s=float("inf")) as c:
+        assert c.attend(np.ones((2, 4), np.float32), request_id="inf").output.shape == (2, 4)
+    with Client(target) as c:
+        assert c.attend(np.ones((2, 4), np.float32), request_id="inf2", timeout_s=float("inf")).output is not None
+    assert servicer.attempts == {"inf": 2, "inf2": 2}  # each retried once past the flaky first answer

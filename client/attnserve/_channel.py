@@ -136,13 +136,26 @@ def channel_credentials(
     return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
 
 
+def deadline_seconds(timeout_s: float | None) -> float | None:
+    """A call's timeout as gRPC takes it: None or infinity is no deadline (gRPC takes infinity for one
+    already passed); zero, a negative number or NaN is a mistake, refused here rather than sent as a call
+    that fails DEADLINE_EXCEEDED at once."""
+    if timeout_s is None or timeout_s == math.inf:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s: expected seconds (a number) or None, got {type(timeout_s).__name__}")
+    if not timeout_s > 0:  # NaN too
+        raise ValueError(f"timeout_s: expected a number of seconds > 0, or None for no deadline, got {timeout_s!r}")
+    return float(timeout_s)
+
+
 class CallDefaults:
     """The per-call arguments both clients add: the default deadline, wait_for_ready, the bearer
     token (sent as `authorization` metadata, as tritonclient's headers are), and with `trace` the
     current OpenTelemetry context as W3C `traceparent` metadata, so the server's spans join the trace."""
 
     def __init__(self, timeout_s: float | None, wait_for_ready: bool, token: str | None = None, trace: bool = False):
-        self.timeout_s = timeout_s
+        self.timeout_s = deadline_seconds(timeout_s)
         self.wait_for_ready = wait_for_ready
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._inject = None
@@ -160,7 +173,7 @@ class CallDefaults:
             self._inject(carrier)
             metadata = (*(metadata or ()), *carrier.items())
         return {
-            "timeout": self.timeout_s if timeout_s is None else timeout_s,
+            "timeout": self.timeout_s if timeout_s is None else deadline_seconds(timeout_s),
             "wait_for_ready": self.wait_for_ready,
             "metadata": metadata,
         }

@@ -29,9 +29,9 @@ class Client:
 
     `target` is "host:port", a gRPC target URI ("dns:///attnserve-headless:50051"), or several
     addresses (a list, or commas): calls go round-robin over every address, and a call refused
-    UNAVAILABLE is retried on another. `timeout_s` is the default deadline per call (None: no
-    deadline); `wait_for_ready` makes calls wait for the server instead of failing fast while it
-    is unreachable;
+    UNAVAILABLE is retried on another. `timeout_s` is the default deadline per call, in seconds
+    (None or infinity: no deadline; zero, negative or NaN: ValueError), each method's overrides it;
+    `wait_for_ready` makes calls wait for the server instead of failing fast while it is unreachable;
     `retries` lets gRPC retry UNAVAILABLE with backoff (a service config, not a loop here).
     TLS: `tls=True` (the system's roots), `ca` (a PEM file to trust instead), `cert` and `key` (a
     client certificate, for mTLS), or any `grpc.ChannelCredentials` as `credentials`. `token` is
