@@ -340,6 +340,27 @@ def test_async_stream(default_server: Running) -> None:
     check_stream(asyncio.run(main()))
 
 
+def test_an_async_client_made_outside_any_loop_serves_each_asyncio_run(default_server: Running) -> None:
+    # grpc.aio binds a channel to the loop current when it is made: before, a client made at import
+    # failed every call "attached to a different loop", in the first asyncio.run and every later one.
+    client = AsyncClient(default_server.target, timeout_s=30)
+
+    async def main() -> list[str]:
+        first = await client.attend(x(3, E), request_id="one")
+        return [first.request_id] + [r.request_id async for r in client.attend_stream(stream_requests())]
+
+    assert sorted(asyncio.run(main())) == ["2", "a", "bad", "d", "one"]
+    assert asyncio.run(client.health()) == "SERVING"
+    other = asyncio.new_event_loop()
+    try:  # a loop that is still open owns the channel: another loop's call is refused by name
+        assert other.run_until_complete(client.health()) == "SERVING"
+        with pytest.raises(RuntimeError, match="AsyncClient: its channel belongs to another event loop"):
+            asyncio.run(client.health())
+        other.run_until_complete(client.close())
+    finally:
+        other.close()
+
+
 def test_async_stream_sends_from_an_async_source_as_answers_come_back(default_server: Running) -> None:
     # A conversation: the second request is produced only after the first one's answer arrived,
     # which a list or any blocking iterable could not do on the event loop.

@@ -128,7 +128,12 @@ async def _lost_stream_status(
 
 
 class AsyncClient:
-    """asyncio client over grpc.aio; same arguments and methods as `Client`."""
+    """asyncio client over grpc.aio; same arguments and methods as `Client`.
+
+    It may be made anywhere (at import, say): its channel is opened in the event loop of its first call,
+    since grpc.aio binds a channel to one loop. Once that loop has closed (an `asyncio.run` ended), the
+    next call opens a new channel in its own loop; a call from another loop while the first is still
+    open raises RuntimeError (one client per event loop)."""
 
     def __init__(
         self,
@@ -149,20 +154,41 @@ class AsyncClient:
     ) -> None:
         options = channel_options(max_message_bytes, retries, keepalive_s)
         credentials = channel_credentials(tls, ca, cert, key, credentials)
-        target = resolve_target(target)
+        self._target = resolve_target(target)
+        self._options = options
+        self._credentials = credentials
+        self._call_args = CallDefaults(timeout_s, wait_for_ready, token, trace)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._closed = False
+
+    def _open(self) -> grpc.aio.Channel:
+        """The channel of the running event loop (see the class)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop and self._channel is not None:
+            return self._channel
+        if self._closed:
+            raise grpc.aio.UsageError("Channel is closed.")
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError(
+                "AsyncClient: its channel belongs to another event loop, which is still open; "
+                "make one client per event loop"
+            )
+        self._loop = loop
         self._channel = (
-            grpc.aio.secure_channel(target, credentials, options)
-            if credentials is not None
-            else grpc.aio.insecure_channel(target, options)
+            grpc.aio.secure_channel(self._target, self._credentials, self._options)
+            if self._credentials is not None
+            else grpc.aio.insecure_channel(self._target, self._options)
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._call_args = CallDefaults(timeout_s, wait_for_ready, token, trace)
+        return self._channel
 
     async def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any
     ) -> AttendResult:
         msg = encode_request(Request(query=query, key_value=key_value, **fields))
+        self._open()
         with translate_errors():
             return decode_response(await self._stub.Attend(msg, **self._call_args(timeout_s)))
 
@@ -179,6 +205,7 @@ class AsyncClient:
         args = self._call_args(timeout_s)
         timeout = args["timeout"]
         deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
+        self._open()
         call = self._stub.AttendStream(outgoing, **args)
         status = _StreamStatus()
         call.add_done_callback(status)
@@ -199,16 +226,19 @@ class AsyncClient:
             call.cancel()
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        self._open()
         with translate_errors():
             reply = await self._stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
         return [decode_model(m) for m in reply.models]
 
     async def model(self, name: str = "", *, timeout_s: float | None = None) -> ModelInfo:
+        self._open()
         with translate_errors():
             reply = await self._stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
         return decode_model(reply)
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        self._open()
         with translate_errors():
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s)
@@ -216,7 +246,9 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
-        await self._channel.close()
+        self._closed = True
+        if self._channel is not None and self._loop is asyncio.get_running_loop():
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
