@@ -3,9 +3,11 @@ connections live: aged out by the server, kept by clients' keepalive pings."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import queue
+import re
 import socket
 import threading
 import time
@@ -18,6 +20,7 @@ from attnserve import AsyncClient, AttnServeError, Client
 from attnserve._channel import resolve_target
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_server.connect import target as target_argument
 
 from conftest import Running, model, running, settings
 
@@ -38,6 +41,27 @@ def test_several_addresses_become_one_balanced_target() -> None:
     assert resolve_target(["localhost:7", "127.0.0.1:8"]).startswith("ipv4:127.0.0.1:7,")
     with pytest.raises(ValueError, match="expected host:port"):
         resolve_target(["10.0.0.1", "10.0.0.2:2"])
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        # Before, gRPC took each for something else, found only when a call failed: a host name that did
+        # not resolve, port 443, a target it could not build (UNKNOWN and an error logged), or a raw
+        # socket.gaierror from the client's constructor.
+        ("http://127.0.0.1:50051", "expected host:port, got 'http://127.0.0.1:50051', a URL: drop 'http://'"),
+        ("127.0.0.1", "expected host:port with a port in 1..65535, got '127.0.0.1'"),
+        ("127.0.0.1:50051/", "expected host:port with a port in 1..65535"),
+        ("127.0.0.1:1,127.0.0.1:99999", "expected host:port with a port in 1..65535, got '127.0.0.1:99999'"),
+        ("127.0.0.1:1,nosuch.invalid:2", "cannot resolve 'nosuch.invalid' in 'nosuch.invalid:2'"),
+    ],
+)
+def test_a_target_that_is_not_an_address_is_refused_naming_it(target: str, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^target: {re.escape(message)}"):
+        Client(target)
+    with pytest.raises(argparse.ArgumentTypeError) as err:  # the commands' --target, in one line
+        target_argument(target)
+    assert str(err.value).startswith(message)
 
 
 def test_three_servers_share_the_load_and_one_leaving_mid_run_loses_no_call() -> None:

@@ -360,7 +360,13 @@ def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp
         "attnserve infer: random data: 100000 x 4096 x 32 float32 values take 50,000.0 MiB, more than a message"
         " carries (256.0 MiB): pass a smaller --batch, --seq-len or --kv-len"
     )
-    for flag, value in (("--key-lengths", "x"), ("--batch", "-1"), ("--seq-len", "0"), ("--timeout-s", "0")):
+    for flag, value in (
+        ("--key-lengths", "x"),
+        ("--batch", "-1"),
+        ("--seq-len", "0"),
+        ("--timeout-s", "0"),
+        ("--target", "http://127.0.0.1:50051"),  # before: a traceback
+    ):
         r = run_cli("infer", "--target", default_server.target, flag, value)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert f"attnserve infer: error: argument {flag}: expected " in r.stderr and f"got '{value}'" in r.stderr

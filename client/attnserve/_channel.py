@@ -37,9 +37,19 @@ _URI_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds")
 
 
 def _split_host_port(address: str) -> tuple[str, str]:
-    host, sep, port = address.strip().rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"target: expected host:port, got {address!r}")
+    """An address's host (an IPv6 one without its brackets) and port, checked here: gRPC takes a URL
+    ("http://host:port") for a host name that fails to resolve, a missing port for 443, and a port past
+    65535 for a target it cannot build, each found only when a call fails."""
+    address = address.strip()
+    if "://" in address:
+        scheme = address.split("://", 1)[0]
+        raise ValueError(
+            f"target: expected host:port, got {address!r}, a URL: drop {scheme + '://'!r} "
+            "(TLS is the client's tls=True, the commands' --tls: not a scheme)"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"target: expected host:port with a port in 1..65535, got {address!r}")
     return host.strip("[]"), port
 
 
@@ -57,6 +67,7 @@ def resolve_target(target: str | Sequence[str]) -> str:
     if not addresses or not all(a.strip() for a in addresses):
         raise ValueError(f"target: expected an address, a target URI or several addresses, got {target!r}")
     if len(addresses) == 1:
+        _split_host_port(addresses[0])
         return addresses[0].strip()
     v4: list[str] = []
     v6: list[str] = []
@@ -65,7 +76,10 @@ def resolve_target(target: str | Sequence[str]) -> str:
         try:
             ips = [ipaddress.ip_address(host)]
         except ValueError:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            try:
+                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                raise ValueError(f"target: cannot resolve {host!r} in {address.strip()!r} ({exc.strerror})") from None
             ips = [ipaddress.ip_address(info[4][0]) for info in infos]
         for ip in dict.fromkeys(ips):
             (v4 if ip.version == 4 else v6).append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")

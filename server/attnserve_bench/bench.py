@@ -37,6 +37,7 @@ from attnserve_server.connect import (
     connection_from,
     lengths,
     seconds,
+    target,
     whole_number,
 )
 from attnserve_server.runtime import allocator, openmp
@@ -49,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Closed-loop benchmark. Without --target it starts its own server (one per "
         "--max-batch-size value) with the model flags given here, on 127.0.0.1.",
     )
-    p.add_argument("--target", help="benchmark a running server instead of starting one")
+    p.add_argument("--target", type=target, help="benchmark a running server instead of starting one")
     add_connection_flags(p)  # for --target: the servers bench starts itself are plaintext
     p.add_argument("--model", default="default", help="model name (default 'default')")
     p.add_argument(

@@ -11,7 +11,15 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from attnserve_server.connect import Refused, add_connection_flags, connection_from, lengths, seconds, whole_number
+from attnserve_server.connect import (
+    Refused,
+    add_connection_flags,
+    connection_from,
+    lengths,
+    seconds,
+    target,
+    whole_number,
+)
 from attnserve_server.runtime import allocator, files, openmp, pyheap
 from attnserve_server.settings import OPTIONS
 
@@ -39,7 +47,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
         description="Send one attention request. Inputs are .npy files, or random data shaped from the "
         "model's metadata.",
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    p.add_argument("--target", type=target, default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
     p.add_argument("--model", default="", help="model name (default: the server's first model)")
     p.add_argument("--query", help=".npy file: [L, E] or [B, L, E]")
     p.add_argument("--key-value", help=".npy file: X' for cross attention")
@@ -70,6 +78,7 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
     port = health_port if health_port.isdigit() else os.environ.get("ATTNSERVE_PORT", "50051")
     p.add_argument(
         "--target",
+        type=target,
         default=f"127.0.0.1:{port}",
         help="server address (default 127.0.0.1 and $ATTNSERVE_HEALTH_PORT, $ATTNSERVE_PORT or 50051: "
         "the server's own port in its container)",

@@ -13,6 +13,18 @@ class Refused(Exception):
     """A user mistake a command reports in one line (exit 2), not with a traceback."""
 
 
+def target(text: str) -> str:
+    """An argument type: a server address as the client takes it (host:port, a gRPC target URI, or a
+    comma list of addresses), checked as the client checks it."""
+    from attnserve._channel import resolve_target
+
+    try:
+        resolve_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("target: ")) from None
+    return text
+
+
 def whole_number(text: str) -> int:
     """An argument type: a whole number >= 1 (argparse reports anything else in one line)."""
     try:
