@@ -98,3 +98,10 @@ def test_an_infinite_timeout_is_no_deadline(flaky) -> None:
     with Client(target) as c:
         assert c.attend(np.ones((2, 4), np.float32), request_id="inf2", timeout_s=float("inf")).output is not None
     assert servicer.attempts == {"inf": 2, "inf2": 2}  # each retried once past the flaky first answer
+
+
+@pytest.mark.parametrize("max_message_bytes", [0, -1, 2**31, 2**40, 1.5])
+def test_max_message_bytes_must_fit_grpc(max_message_bytes: int) -> None:
+    # Before: 2**40 raised OverflowError from gRPC's channel arguments; 0 refused every message at the call.
+    with pytest.raises(ValueError, match=r"max_message_bytes: expected 1\.\.2147483647 \(gRPC's most\)"):
+        Client("127.0.0.1:1", max_message_bytes=max_message_bytes)

@@ -93,6 +93,13 @@ def channel_options(
     """gRPC channel options: message limits, round-robin over every address the target resolves to,
     and, when enabled, UNAVAILABLE (and a server's CANCELLED) retried by gRPC itself (on the next
     address); with `keepalive_s`, keepalive pings while calls are in flight (see Client)."""
+    if (
+        isinstance(max_message_bytes, bool)
+        or not isinstance(max_message_bytes, int)
+        or not 0 < max_message_bytes < 2**31
+    ):
+        # gRPC takes it as a C int: past it, an OverflowError; 0 or below, every message refused, or none
+        raise ValueError(f"max_message_bytes: expected 1..{2**31 - 1} (gRPC's most), got {max_message_bytes!r}")
     if keepalive_s is not None and not (math.isfinite(keepalive_s) and keepalive_s > 0):
         raise ValueError(f"keepalive_s: expected a number of seconds > 0, got {keepalive_s!r}")
     options: list[tuple[str, object]] = [
