@@ -342,6 +342,27 @@ def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_
     assert bad.returncode == 1 and "NOT_FOUND: model: no model named 'nope'" in bad.stderr
 
 
+def test_edge_processes_past_what_the_host_runs_are_refused_in_one_line() -> None:
+    # Before: --edge-processes 100000 started edge processes until the machine ran out of memory, and an
+    # arena the host cannot map ended the start-up in a traceback (an edge process already started).
+    serve = ("serve", "--port", "0", "--metrics-port", "-1", "--embed-dim", "32", "--num-heads", "2")
+    cpus = len(os.sched_getaffinity(0))
+    r = run_cli(*serve, "--edge-processes", str(cpus + 1))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"attnserve: configuration error: edge_processes: expected auto or 1..{cpus} (the CPUs this process may "
+        f"run on), got {cpus + 1}"
+    )
+    if cpus < 2:
+        return
+    r = run_cli(*serve, "--edge-processes", "2", "--edge-arena-bytes", str(2**62))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"attnserve: configuration error: edge_arena_bytes: cannot map {2**62:,} bytes of shared memory for edge "
+        "process 0 (Cannot allocate memory)"
+    )
+
+
 def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp_path: Path) -> None:
     r = run_cli("infer", "--target", default_server.target, "--query", str(tmp_path / "q.npy"))
     assert r.returncode == 2 and "Traceback" not in r.stderr

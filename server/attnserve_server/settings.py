@@ -41,6 +41,11 @@ PIPELINE_MACS = 0
 # at concurrency 32 (~300 M) stay whole, where 100 M served 0.965x in pairs; L=256's (~1.6 G) split, 1.164x
 # (BENCHMARKS.md, thirty-seventh pass).
 CPU_PAIR_MACS = 400_000_000
+# gRPC takes its channel arguments (sizes, counts, milliseconds) as C ints.
+GRPC_INT_MAX = 2**31 - 1
+# The longest a batch may wait for more requests (max_queue_delay_ms, max_linger_ms): a larger one made
+# the first request's timer overflow and stopped the server.
+MOST_WAIT_MS = 60_000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -673,9 +678,15 @@ def validate(settings: ServerSettings) -> None:
         math.isfinite(settings.idle_spin_ms) and settings.idle_spin_ms >= 0,
         f"idle_spin_ms: expected >= 0, got {settings.idle_spin_ms}",
     )
-    _check(settings.max_message_bytes > 0, "max_message_bytes: expected > 0")
+    _check(
+        0 < settings.max_message_bytes <= GRPC_INT_MAX,
+        f"max_message_bytes: expected 1..{GRPC_INT_MAX} (gRPC's most), got {settings.max_message_bytes}",
+    )
     _check(settings.max_unsent_bytes >= 0, f"max_unsent_bytes: expected >= 0, got {settings.max_unsent_bytes}")
-    _check(settings.max_connections >= 0, f"max_connections: expected >= 0, got {settings.max_connections}")
+    _check(
+        0 <= settings.max_connections <= GRPC_INT_MAX,
+        f"max_connections: expected 0..{GRPC_INT_MAX}, got {settings.max_connections}",
+    )
     _check(settings.max_open_streams >= 0, f"max_open_streams: expected >= 0, got {settings.max_open_streams}")
     unknown = sorted(set(compression_names(settings.accept_compression)) - set(COMPRESSION_ALGORITHMS))
     got = unknown[0] if unknown else ""
@@ -683,7 +694,11 @@ def validate(settings: ServerSettings) -> None:
     _check(settings.stream_window >= 1, f"stream_window: expected >= 1, got {settings.stream_window}")
     for name in ("max_connection_age_s", "keepalive_s", "client_ping_min_s"):
         value = getattr(settings, name)
-        _check(math.isfinite(value) and value >= 0, f"{name}: expected >= 0, got {value}")
+        _check(
+            math.isfinite(value) and 0 <= value <= GRPC_INT_MAX // 1000,
+            f"{name}: expected 0..{GRPC_INT_MAX // 1000} seconds (gRPC counts milliseconds in a 32-bit integer), "
+            f"got {value}",
+        )
     _check(
         settings.event_loop in EVENT_LOOPS,
         f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, got {settings.event_loop!r}",
@@ -740,10 +755,16 @@ def validate(settings: ServerSettings) -> None:
         b = m.batching
         _check(b.max_batch_size > 0, f"{at}.batching.max_batch_size: expected > 0, got {b.max_batch_size}")
         _check(b.max_queue_size > 0, f"{at}.batching.max_queue_size: expected > 0, got {b.max_queue_size}")
-        _check(b.max_queue_delay_ms >= 0, f"{at}.batching.max_queue_delay_ms: expected >= 0")
+        _check(
+            0 <= b.max_queue_delay_ms <= MOST_WAIT_MS,
+            f"{at}.batching.max_queue_delay_ms: expected 0..{MOST_WAIT_MS} (a minute), got {b.max_queue_delay_ms}",
+        )
         _check(b.linger_macs >= 0, f"{at}.batching.linger_macs: expected >= 0, got {b.linger_macs}")
         _check(b.pipeline_macs >= 0, f"{at}.batching.pipeline_macs: expected >= 0, got {b.pipeline_macs}")
-        _check(b.max_linger_ms >= 0, f"{at}.batching.max_linger_ms: expected >= 0, got {b.max_linger_ms}")
+        _check(
+            0 <= b.max_linger_ms <= MOST_WAIT_MS,
+            f"{at}.batching.max_linger_ms: expected 0..{MOST_WAIT_MS} (a minute), got {b.max_linger_ms}",
+        )
         _check(b.max_queue_bytes > 0, f"{at}.batching.max_queue_bytes: expected > 0, got {b.max_queue_bytes}")
         _check(
             b.max_batch_memory_bytes > 0,

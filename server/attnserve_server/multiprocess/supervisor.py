@@ -76,7 +76,18 @@ class Edge:
         self.ready: asyncio.Future = loop.create_future()
         self.exited: asyncio.Future = loop.create_future()
         size = supervisor.settings.edge_arena_bytes
-        arena_fd = link.Arena.create(size, f"attnserve-edge{index}")
+        try:  # mapped before the process starts: a size this host cannot map stops the start-up here
+            arena_fd = link.Arena.create(size, f"attnserve-edge{index}")
+            try:
+                self.arena = link.Arena(arena_fd, size)
+            except BaseException:
+                os.close(arena_fd)
+                raise
+        except OSError as exc:
+            raise ConfigError(
+                f"edge_arena_bytes: cannot map {size:,} bytes of shared memory for edge process {index} "
+                f"({exc.strerror})"
+            ) from None
         link_engine, link_edge = socket.socketpair()
         self._snapshots, snapshots_edge = socket.socketpair()
         self._snapshots.settimeout(5.0)
@@ -90,7 +101,6 @@ class Edge:
         self.process = subprocess.Popen(command, pass_fds=fds)
         link_edge.close()
         snapshots_edge.close()
-        self.arena = link.Arena(arena_fd, size)
         os.close(arena_fd)  # the mapping holds the memory
         self._link_socket = link_engine
         self.channel: link.Channel | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
+from attnserve_server.errors import ConfigError
 from attnserve_server.runtime.idle_spin import cpu_quota
 from attnserve_server.runtime.openmp import uses_gpu
 
@@ -23,7 +24,7 @@ MOST_EDGES = 4
 
 def usable_cpus() -> int:
     """The CPUs this process may run on, fewer under a cgroup CPU quota (a container's limit)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = affinity_cpus()
     quota = cpu_quota()
     return max(1, min(cpus, int(quota)) if quota is not None else cpus)
 
@@ -33,9 +34,22 @@ def auto_edges(gpu: bool, cpus: int) -> int:
     return max(1, min(MOST_EDGES, cpus // CPUS_PER_EDGE)) if gpu else 1
 
 
+def affinity_cpus() -> int:
+    """The CPUs this process may run on, whatever its quota."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def resolve(edge_processes: int | None, devices: Iterable[str], environ: Mapping[str, str]) -> tuple[int, str]:
-    """The edge count to run, and why (for the log): the setting itself, or `auto`'s choice."""
+    """The edge count to run, and why (for the log): the setting itself, or `auto`'s choice. A count
+    past the CPUs this process may run on is refused: each edge is a busy Python process of its own
+    (~100 MiB), more of them than CPUs only contend, and a mistyped 100000 started edges until the
+    machine ran out of memory."""
     if edge_processes is not None:
+        most = affinity_cpus()
+        if edge_processes > most:
+            raise ConfigError(
+                f"edge_processes: expected auto or 1..{most} (the CPUs this process may run on), got {edge_processes}"
+            )
         return edge_processes, "as set"
     gpu = uses_gpu(devices, environ)
     cpus = usable_cpus()
