@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from attnserve_server.compute.weights import load_projections, random_projections
+from attnserve_server.compute.weights import check_weights_fit, load_projections, random_projections
 from attnserve_server.errors import ConfigError
 from attnserve_server.model import spec_from_settings
 from attnserve_server.settings import ModelSettings, WeightsSettings
@@ -95,3 +95,13 @@ def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="cannot read"):
         load_projections(spec(), WeightsSettings(format="torch", path=str(bad)))
+
+
+def test_weights_larger_than_the_host_are_refused_before_they_are_allocated() -> None:
+    # Before: torch's allocator raised a RuntimeError traceback (E=65536 wanted 64 GiB on a 24 GiB host).
+    big = spec_from_settings(ModelSettings(embed_dim=1 << 20, num_heads=1))  # 16 TiB: more than any host here
+    with pytest.raises(ConfigError, match=r"model 'default': its weights take 16,384\.0 GiB as float32 \(embed_dim"):
+        load_projections(big, WeightsSettings(format="random"))
+    check_weights_fit(spec(kdim=8, vdim=4), 4 * (16 * (16 + 8 + 4) + 16 * 16 + 4 * 16))  # exactly fits
+    with pytest.raises(ConfigError, match=r"more than this host's memory \(0\.0 GiB\)"):
+        check_weights_fit(spec(kdim=8, vdim=4), 4 * (16 * (16 + 8 + 4) + 16 * 16 + 4 * 16) - 1)

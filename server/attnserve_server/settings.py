@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import tomllib
 import types
@@ -664,9 +665,10 @@ def validate(settings: ServerSettings) -> None:
         math.isfinite(settings.worker_stall_s) and settings.worker_stall_s >= 0,
         f"worker_stall_s: expected >= 0, got {settings.worker_stall_s}",
     )
-    _check(
-        settings.torch_threads is None or settings.torch_threads >= 1,
-        f"torch_threads: expected >= 1, got {settings.torch_threads}",
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _check(  # past the CPUs: OpenMP only contends, and past the thread limit it aborts the process
+        settings.torch_threads is None or 1 <= settings.torch_threads <= cpus,
+        f"torch_threads: expected 1..{cpus} (the CPUs this process may run on), got {settings.torch_threads}",
     )
     _check(settings.small_batch_macs >= 0, f"small_batch_macs: expected >= 0, got {settings.small_batch_macs}")
     _check(
@@ -776,6 +778,9 @@ def validate(settings: ServerSettings) -> None:
             f"max_query_len {m.max_query_len}",
         )
         w = m.weights
+        _check(  # torch.manual_seed's range
+            -(2**63) <= w.seed < 2**64, f"{at}.weights.seed: expected {-(2**63)}..{2**64 - 1}, got {w.seed}"
+        )
         _check(
             w.format in WEIGHT_FORMATS,
             f"{at}.weights.format: expected one of {WEIGHT_FORMATS}, got {w.format!r}",

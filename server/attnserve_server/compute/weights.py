@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -119,10 +120,27 @@ def random_projections(spec: ModelSpec, seed: int) -> Projections:
     return from_torch_state_dict({k: v.detach() for k, v in module.state_dict().items()}, spec, f"seed {seed}")
 
 
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_weights_fit(spec: ModelSpec, memory_bytes: int) -> None:
+    """Refuses a model whose weights, as float32 while they load, take more than the host's memory:
+    torch's allocator failed with a traceback (or, under overcommit, the kernel killed the server later)."""
+    e, k, v = spec.embed_dim, spec.kdim, spec.vdim
+    need = 4 * (e * (e + k + v) + e * e + (4 * e if spec.bias else 0))
+    if need > memory_bytes:
+        raise ConfigError(
+            f"model {spec.name!r}: its weights take {need / 2**30:,.1f} GiB as float32 (embed_dim {e}, kdim {k}, "
+            f"vdim {v}), more than this host's memory ({memory_bytes / 2**30:,.1f} GiB)"
+        )
+
+
 def load_projections(spec: ModelSpec, settings: WeightsSettings) -> Projections | None:
     """The model's weights on the CPU, as stored; None for the bare operation."""
     if spec.kind is ModelKind.SDPA:
         return None
+    check_weights_fit(spec, host_memory_bytes())
     if settings.format == "random":
         return random_projections(spec, settings.seed)
     from safetensors import SafetensorError
