@@ -342,6 +342,26 @@ def test_infer_prints_shapes_timings_and_a_summary(default_server: Running, tmp_
     assert bad.returncode == 1 and "NOT_FOUND: model: no model named 'nope'" in bad.stderr
 
 
+@pytest.mark.parametrize("edges", ["1", "2"])
+def test_an_ipv6_host_is_served_and_shown_in_brackets(edges: str) -> None:
+    # Before: --host ::1 did not start, gRPC reading "::1:50051" as a host name ("Misformatted domain name").
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    h = spawn_serve("--host", "::1", "--edge-processes", edges, "--embed-dim", "32", "--num-heads", "2")
+    try:
+        assert h.host == "[::1]" and h.target == f"[::1]:{h.port}"
+        with Client(h.target, timeout_s=30) as c:
+            assert c.attend(np.ones((3, 32), np.float32)).output.shape == (3, 32)
+        with urllib.request.urlopen(f"http://[::1]:{h.metrics_port}/metrics", timeout=30) as r:
+            assert b"attnserve_requests_total" in r.read()
+    finally:
+        h.proc.terminate()
+        assert h.proc.wait(30) == 0
+
+
 def test_edge_processes_past_what_the_host_runs_are_refused_in_one_line() -> None:
     # Before: --edge-processes 100000 started edge processes until the machine ran out of memory, and an
     # arena the host cannot map ended the start-up in a traceback (an edge process already started).

@@ -18,10 +18,12 @@ class ServeProcess:
     proc: subprocess.Popen
     port: int
     metrics_port: int | None
+    host: str = "127.0.0.1"  # as the ready line shows it: an IPv6 address in brackets
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(self.host, self.host)  # a wildcard: this host
+        return f"{host}:{self.port}"
 
 
 def spawn_serve(*flags: str, stderr: Any = None, preexec_fn: Callable[[], object] | None = None) -> ServeProcess:
@@ -34,5 +36,5 @@ def spawn_serve(*flags: str, stderr: Any = None, preexec_fn: Callable[[], object
     for line in proc.stdout:
         if match := _READY.match(line):
             metrics = int(match.group(3)) if match.group(3) else None
-            return ServeProcess(proc, int(match.group(2)), metrics)
+            return ServeProcess(proc, int(match.group(2)), metrics, match.group(1))
     raise RuntimeError(f"attnserve serve exited with code {proc.wait()} before it was ready")

@@ -27,7 +27,7 @@ from attnserve_server.runtime.cpu_layout import QuietLayout
 from attnserve_server.runtime.edges import resolve as resolve_edges
 from attnserve_server.runtime.idle_spin import IdleSpin
 from attnserve_server.runtime.watchdog import Watchdog
-from attnserve_server.settings import ServerSettings
+from attnserve_server.settings import ServerSettings, host_port
 from attnserve_server.tracing import Tracing
 from attnserve_server.tracing import from_environment as tracing_from_environment
 
@@ -169,11 +169,12 @@ class AttnServer:
             self._health_streams = OpenStreams(s.max_open_streams)
             add_service(self._health_server, self._health, health_service, streams=self._health_streams)
             try:
-                self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
+                self.health_port = self._health_server.add_insecure_port(host_port(s.host, s.health_port))
             except RuntimeError:
                 self.health_port = 0
             if self.health_port == 0:
-                raise PortUnavailable(f"health port {s.host}:{s.health_port}: cannot bind (in use, or not this host's)")
+                address = host_port(s.host, s.health_port)
+                raise PortUnavailable(f"health port {address}: cannot bind (in use, or not this host's)")
             await self._health_server.start()
         if s.metrics_port >= 0:
             host = s.metrics_host or s.host
@@ -189,7 +190,8 @@ class AttnServer:
             except ssl.SSLError as exc:
                 raise ConfigError(f"metrics_tls_cert, metrics_tls_key: cannot load them ({exc.reason})") from None
             except OSError as exc:
-                raise PortUnavailable(f"metrics port {host}:{s.metrics_port}: cannot bind ({exc.strerror})") from None
+                address = host_port(host, s.metrics_port)
+                raise PortUnavailable(f"metrics port {address}: cannot bind ({exc.strerror})") from None
             self.metrics_port = self._metrics_http.server_port
         # Health answers (NOT_SERVING) while the models load and warm up.
         for served in self.models.values():

@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _serve(settings: Any) -> int:
     from attnserve_server.app import AttnServer
+    from attnserve_server.settings import host_port
 
     server = AttnServer(settings)
     stop = asyncio.Event()
@@ -134,10 +135,11 @@ async def _serve(settings: Any) -> int:
     # Everything the server keeps is loaded: later collections leave it alone (pyheap.py).
     logging.getLogger("attnserve").info("gc: %s", pyheap.settle())
     metrics_host = settings.metrics_host or settings.host
-    metrics = f"{metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off"
+    metrics = host_port(metrics_host, server.metrics_port) if server.metrics_port is not None else "off"
     # One line on stdout for scripts (and tests) that start the server: its real ports.
     print(
-        f"attnserve ready grpc={settings.host}:{server.port} metrics={metrics} models={','.join(server.models)}",
+        f"attnserve ready grpc={host_port(settings.host, server.port)} metrics={metrics} "
+        f"models={','.join(server.models)}",
         flush=True,
     )
     signalled = asyncio.ensure_future(stop.wait())

@@ -42,6 +42,13 @@ PIPELINE_MACS = 0
 # at concurrency 32 (~300 M) stay whole, where 100 M served 0.965x in pairs; L=256's (~1.6 G) split, 1.164x
 # (BENCHMARKS.md, thirty-seventh pass).
 CPU_PAIR_MACS = 400_000_000
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as gRPC takes it and logs show it: an IPv6 address in brackets ("[::]:50051")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # gRPC takes its channel arguments (sizes, counts, milliseconds) as C ints.
 GRPC_INT_MAX = 2**31 - 1
 # The longest a batch may wait for more requests (max_queue_delay_ms, max_linger_ms): a larger one made
@@ -644,6 +651,12 @@ def _check(condition: bool, message: str) -> None:
 
 def validate(settings: ServerSettings) -> None:
     _check(0 <= settings.port <= 65535, f"port: expected 0..65535, got {settings.port}")
+    for name in ("host", "metrics_host"):
+        value = getattr(settings, name)
+        _check(
+            value is None or not value.startswith("["),
+            f"{name}: expected an address without brackets (an IPv6 one as ::1), got {value!r}",
+        )
     _check(
         (settings.tls_cert is None) == (settings.tls_key is None),
         "tls_cert, tls_key: give both (TLS) or neither (plaintext)",

@@ -30,7 +30,7 @@ from attnserve_server.errors import PortUnavailable
 from attnserve_server.metrics import FrontLoad, ModelMetrics
 from attnserve_server.protocol import open_inference_pb2
 from attnserve_server.security import ReloadingTLS, token_auth
-from attnserve_server.settings import ServerSettings, compression_bitset
+from attnserve_server.settings import ServerSettings, compression_bitset, host_port
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class GrpcFront:
     async def start(self) -> int:
         """Binds the port and starts serving; returns the port (PortUnavailable if it cannot bind)."""
         s = self._settings
-        address = f"{s.host}:{self._port}"
+        address = host_port(s.host, self._port)
         try:
             if s.tls_cert is not None and s.tls_key is not None:
                 self._tls = ReloadingTLS(s.tls_cert, s.tls_key, s.tls_client_ca)
@@ -208,9 +208,7 @@ class GrpcFront:
         except RuntimeError:
             self.port = 0
         if self.port == 0:
-            raise PortUnavailable(
-                f"gRPC port {s.host}:{self._port}: cannot bind (in use, or not an address of this host)"
-            )
+            raise PortUnavailable(f"gRPC port {address}: cannot bind (in use, or not an address of this host)")
         await self.server.start()
         return self.port
 

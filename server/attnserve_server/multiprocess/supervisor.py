@@ -28,7 +28,7 @@ from attnserve_server.metrics import Duration, InferenceStats, ProcessSnapshot, 
 from attnserve_server.model import ServedModel
 from attnserve_server.multiprocess import link
 from attnserve_server.multiprocess.edge_process import ModelInfo
-from attnserve_server.settings import ServerSettings
+from attnserve_server.settings import ServerSettings, host_port
 from attnserve_server.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
         probe.bind((host, port))
     except OSError as exc:
         probe.close()
-        raise PortUnavailable(f"gRPC port {host}:{port}: cannot bind ({exc.strerror})") from None
+        raise PortUnavailable(f"gRPC port {host_port(host, port)}: cannot bind ({exc.strerror})") from None
     port = probe.getsockname()[1]
     probe.close()
     keep = socket.socket(family, socket.SOCK_STREAM)
@@ -58,7 +58,7 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
         keep.bind((host, port))
     except OSError as exc:
         keep.close()
-        raise PortUnavailable(f"gRPC port {host}:{port}: cannot bind ({exc.strerror})") from None
+        raise PortUnavailable(f"gRPC port {host_port(host, port)}: cannot bind ({exc.strerror})") from None
     return keep, port
 
 
