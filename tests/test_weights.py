@@ -64,6 +64,26 @@ def test_a_state_dict_that_does_not_fit_is_a_clear_start_up_error(tmp_path: Path
         load_projections(spec(), WeightsSettings(format="torch", path=path))
 
 
+def poisoned(value: float) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in torch.nn.MultiheadAttention(16, 2).state_dict().items()}
+    state["in_proj_weight"][3, 5] = value
+    state["in_proj_weight"][7, 1] = value
+    return state
+
+
+def test_weights_that_make_every_answer_nan_are_refused_at_start_up(tmp_path: Path) -> None:
+    # Before: loaded and served, every answer NaN (or infinite).
+    for value in (float("nan"), float("inf")):
+        path = save(tmp_path, poisoned(value))
+        with pytest.raises(ConfigError, match="key 'in_proj_weight' holds 2 values that are not finite"):
+            load_projections(spec(), WeightsSettings(format="torch", path=path))
+    # Finite in float32, infinite once a float16 model casts them.
+    path = save(tmp_path, poisoned(1e5))
+    with pytest.raises(ConfigError, match="values up to 100000, past float16's largest \\(65504\\)"):
+        load_projections(spec(dtype="float16"), WeightsSettings(format="torch", path=path))
+    assert load_projections(spec(dtype="bfloat16"), WeightsSettings(format="torch", path=path)) is not None
+
+
 def test_bias_false_expects_no_biases(tmp_path: Path) -> None:
     path = save(tmp_path, torch.nn.MultiheadAttention(16, 2).state_dict())
     with pytest.raises(ConfigError, match="unexpected key 'in_proj_bias'"):

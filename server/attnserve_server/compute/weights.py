@@ -52,7 +52,12 @@ def _split_packed(
     return Projections(q, k, v, out_w, qb, kb, vb, out_b, packed=packed, packed_bias=bias)
 
 
-def _expect(state: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
+def _expect(
+    state: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], source: str, spec: ModelSpec
+) -> torch.Tensor:
+    """The tensor `key`, checked: its shape, a float, every value finite and within the model's dtype
+    (a NaN or an infinity in a weight makes every answer NaN, and so does a value past float16's range
+    on a float16 model: refused at start-up rather than served)."""
     if key not in state:
         raise ConfigError(f"{source}: missing key {key!r} (expected shape {list(shape)})")
     tensor = state[key]
@@ -60,6 +65,16 @@ def _expect(state: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], so
         raise ConfigError(f"{source}: key {key!r} has shape {list(tensor.shape)}, the config needs {list(shape)}")
     if not tensor.is_floating_point():
         raise ConfigError(f"{source}: key {key!r} has dtype {tensor.dtype}, expected a floating point tensor")
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise ConfigError(f"{source}: key {key!r} holds {bad:,} values that are not finite (NaN or infinity)")
+    largest = torch.finfo(getattr(torch, spec.dtype.setting or "float32")).max
+    top = float(tensor.abs().max()) if tensor.numel() else 0.0
+    if top > largest:
+        raise ConfigError(
+            f"{source}: key {key!r} holds values up to {top:.6g}, past {spec.dtype.setting}'s largest ({largest:.6g}): "
+            "they would be infinite; serve the model as bfloat16 or float32"
+        )
     return tensor
 
 
@@ -81,7 +96,7 @@ def from_torch_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec, sourc
             f"{source}: unexpected key {unexpected[0]!r}; for this config (embed_dim {e}, kdim {spec.kdim}, "
             f"vdim {spec.vdim}, bias {spec.bias}) the keys are {sorted(expected)}"
         )
-    t = {key: _expect(state, key, shape, source) for key, shape in expected.items()}
+    t = {key: _expect(state, key, shape, source, spec) for key, shape in expected.items()}
     in_bias = t.get("in_proj_bias")
     if packed_layout:
         return _split_packed(t["in_proj_weight"], in_bias, t["out_proj.weight"], t.get("out_proj.bias"))
@@ -101,9 +116,10 @@ def from_bert(state: dict[str, torch.Tensor], spec: ModelSpec, prefix: str, sour
         raise ConfigError(f"{source}: a BERT attention block has kdim == vdim == embed_dim ({e})")
     prefix = prefix.rstrip(".")
     names = {"q": "self.query", "k": "self.key", "v": "self.value", "out": "output.dense"}
-    w = {n: _expect(state, f"{prefix}.{path}.weight", (e, e), source) for n, path in names.items()}
+    w = {n: _expect(state, f"{prefix}.{path}.weight", (e, e), source, spec) for n, path in names.items()}
     b: dict[str, torch.Tensor | None] = {
-        n: (_expect(state, f"{prefix}.{path}.bias", (e,), source) if spec.bias else None) for n, path in names.items()
+        n: (_expect(state, f"{prefix}.{path}.bias", (e,), source, spec) if spec.bias else None)
+        for n, path in names.items()
     }
     packed = torch.cat([w["q"], w["k"], w["v"]])
     packed_bias = torch.cat([b["q"], b["k"], b["v"]]) if spec.bias else None  # type: ignore[list-item]
