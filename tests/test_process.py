@@ -367,11 +367,11 @@ def test_edge_processes_past_what_the_host_runs_are_refused_in_one_line() -> Non
     # arena the host cannot map ended the start-up in a traceback (an edge process already started).
     serve = ("serve", "--port", "0", "--metrics-port", "-1", "--embed-dim", "32", "--num-heads", "2")
     cpus = len(os.sched_getaffinity(0))
-    r = run_cli(*serve, "--edge-processes", str(cpus + 1))
+    r = run_cli(*serve, "--edge-processes", str(4 * cpus + 1))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        f"attnserve: configuration error: edge_processes: expected auto or 1..{cpus} (the CPUs this process may "
-        f"run on), got {cpus + 1}"
+        f"attnserve: configuration error: edge_processes: expected auto or 1..{4 * cpus} (4 per CPU this process "
+        f"may run on), got {4 * cpus + 1}"
     )
     if cpus < 2:
         return
