@@ -407,10 +407,18 @@ def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp
         ("--seq-len", "0"),
         ("--timeout-s", "0"),
         ("--target", "http://127.0.0.1:50051"),  # before: a traceback
+        ("--output", str(tmp_path / "missing" / "y.npy")),  # before: a traceback after the request
     ):
         r = run_cli("infer", "--target", default_server.target, flag, value)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert f"attnserve infer: error: argument {flag}: expected " in r.stderr and f"got '{value}'" in r.stderr
+    # bench checks where it will write its results before it runs (before: a traceback after the run).
+    missing = tmp_path / "missing" / "x.json"
+    r = run_cli("bench", "--target", default_server.target, "--json", str(missing))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"attnserve bench: error: argument --json: expected a file in a directory that exists, got '{missing}' "
+        f"({missing.parent} is not)"
+    )
     # serve and bench in a client-only install (torch absent) say which extra to install.
     serve = BLOCK_TORCH.split("import numpy")[0] + "from attnserve_server.cli import main\nsys.exit(main(['serve']))\n"
     r = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, timeout=60)

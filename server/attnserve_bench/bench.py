@@ -36,6 +36,7 @@ from attnserve_server.connect import (
     comma_list,
     connection_from,
     lengths,
+    output_file,
     seconds,
     target,
     whole_number,
@@ -72,9 +73,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-len", type=whole_number, help="key length S: cross attention (MHA) or K/V length (sdpa)")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--json", type=output_file, help="also write the results to this JSON file")
     p.add_argument(
         "--plot",
+        type=output_file,
         help="also draw throughput against p50 and p99 latency, one line per server, to this image file "
         "(needs matplotlib: pip install 'attnserve[plot]')",
     )
@@ -934,18 +936,22 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("attnserve bench: --plot needs matplotlib: pip install 'attnserve[plot]'", file=sys.stderr)
             return 2
+        except OSError as exc:  # checked before the run (output_file); a full disk, say
+            print(f"attnserve bench: --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"plot: {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "command": command,
-                    "machine": _machine(),
-                    "date": datetime.now(UTC).isoformat(),
-                    "rows": [asdict(r) for r in summary],
-                    **({"rounds": [asdict(r) for r in rows]} if rounds > 1 else {}),
-                },
-                f,
-                indent=2,
-            )
+        results = {
+            "command": command,
+            "machine": _machine(),
+            "date": datetime.now(UTC).isoformat(),
+            "rows": [asdict(r) for r in summary],
+            **({"rounds": [asdict(r) for r in rows]} if rounds > 1 else {}),
+        }
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        except OSError as exc:  # checked before the run (output_file); a full disk, say
+            print(f"attnserve bench: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0

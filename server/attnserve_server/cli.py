@@ -16,6 +16,7 @@ from attnserve_server.connect import (
     add_connection_flags,
     connection_from,
     lengths,
+    output_file,
     seconds,
     target,
     whole_number,
@@ -61,7 +62,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--need-weights", action="store_true", help="also return the attention matrix")
     p.add_argument("--average-weights", action="store_true", help="average the matrix over heads")
     p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
-    p.add_argument("--output", help="save Y to this .npy file")
+    p.add_argument("--output", type=output_file, help="save Y to this .npy file (numpy adds .npy if it is missing)")
     p.add_argument("--timeout-s", type=seconds, default=30.0, help="deadline (default 30)")
     add_connection_flags(p)
 
@@ -297,8 +298,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
         f"batch {t.batch_size} request(s), {t.batch_sequences} sequence(s)"
     )
     if args.output:
-        np.save(args.output, result.output)
-        print(f"saved output to {args.output}")
+        path = args.output if args.output.endswith(".npy") else f"{args.output}.npy"  # as np.save names it
+        try:
+            np.save(path, result.output)
+        except OSError as exc:
+            print(f"attnserve infer: --output {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"saved output to {path}")
     return 0
 
 

@@ -25,6 +25,20 @@ def target(text: str) -> str:
     return text
 
 
+def output_file(text: str) -> str:
+    """An argument type: a file the command writes at its end, checked before it starts, so that a
+    benchmark's results are not lost to a directory that is not there (the write itself may still fail:
+    a full disk)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file to write, got {text!r}, a directory")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"expected a file in a directory that exists, got {text!r} ({folder} is not)")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected a file in a directory this user may write, got {text!r}")
+    return text
+
+
 def whole_number(text: str) -> int:
     """An argument type: a whole number >= 1 (argparse reports anything else in one line)."""
     try:
