@@ -710,7 +710,8 @@ def test_streams_past_max_open_streams_are_refused_as_they_open_and_the_rest_is_
                 opening()
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert err.value.details() == (
-                "streams: this server has 3 open, the most it keeps (max_open_streams 3); close one, or retry later"
+                "streams: the server process on this connection has 3 open, the most one keeps (max_open_streams 3); "
+                "close one, or retry later"
             )
         with Client(handle.target, timeout_s=10) as client:  # unary calls go on
             assert client.health() == "SERVING"

@@ -138,8 +138,8 @@ class OpenStreams:
             self.refused += 1
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"streams: this server has {self.count} open, the most it keeps (max_open_streams "
-                f"{self.limit}); close one, or retry later",
+                f"streams: the server process on this connection has {self.count} open, the most one keeps "
+                f"(max_open_streams {self.limit}); close one, or retry later",
             )
         self.count += 1
 
