@@ -90,6 +90,11 @@ def test_weights_flag_implies_torch_format() -> None:
         ({"ATTNSERVE_MAX_MESSAGE_BYTES": str(2**40)}, "max_message_bytes: expected 1..2147483647 (gRPC's most)"),
         ({"ATTNSERVE_MAX_CONNECTIONS": str(2**40)}, "max_connections: expected 0..2147483647, got 1099511627776"),
         ({"ATTNSERVE_STREAM_WINDOW": "0"}, "stream_window: expected >= 1, got 0"),
+        # Before: "cannot bind (in use, or not this host's)" for a port that cannot exist, or ":0" for no host.
+        ({"ATTNSERVE_HEALTH_PORT": "70000"}, "health_port: expected -1 (off) or 0..65535, got 70000"),
+        ({"ATTNSERVE_METRICS_PORT": "-2"}, "metrics_port: expected -1 (off) or 0..65535, got -2"),
+        ({"ATTNSERVE_HOST": ""}, "host: expected an address to bind"),
+        ({"ATTNSERVE_CPU_LANES": str(10**20)}, "cpu_lanes: expected 1..\\d+ .the CPUs this process may run on"),
         ({"ATTNSERVE_SEED": str(2**64)}, f"weights.seed: expected {-(2**63)}..{2**64 - 1}, got {2**64}"),  # traceback
         ({"ATTNSERVE_TORCH_THREADS": "100000"}, "torch_threads: expected 1..\\d+ .the CPUs this process may run on"),
         ({"ATTNSERVE_ACCEPT_COMPRESSION": "gzip,br"}, "accept_compression: expected gzip, deflate, a comma list"),

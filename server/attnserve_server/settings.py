@@ -672,7 +672,10 @@ def validate(settings: ServerSettings) -> None:
         settings.metrics_tls_client_ca is None or settings.metrics_tls_cert is not None,
         "metrics_tls_client_ca: needs metrics_tls_cert and metrics_tls_key",
     )
-    _check(settings.metrics_port <= 65535, f"metrics_port: expected at most 65535, got {settings.metrics_port}")
+    for name in ("metrics_port", "health_port"):  # -1: off
+        value = getattr(settings, name)
+        _check(-1 <= value <= 65535, f"{name}: expected -1 (off) or 0..65535, got {value}")
+    _check(bool(settings.host), "host: expected an address to bind (0.0.0.0 for every IPv4 one, :: for every one)")
     _check(settings.grace_s >= 0, f"grace_s: expected >= 0, got {settings.grace_s}")
     _check(
         math.isfinite(settings.worker_stall_s) and settings.worker_stall_s >= 0,
@@ -744,7 +747,10 @@ def validate(settings: ServerSettings) -> None:
             m.cpu_matmul in CPU_MATMULS,
             f"{at}.cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {m.cpu_matmul!r}",
         )
-        _check(m.cpu_lanes >= 1, f"{at}.cpu_lanes: expected >= 1, got {m.cpu_lanes}")
+        _check(  # a lane is a thread computing on at least one CPU; 10**20 of them never finished starting
+            1 <= m.cpu_lanes <= cpus,
+            f"{at}.cpu_lanes: expected 1..{cpus} (the CPUs this process may run on), got {m.cpu_lanes}",
+        )
         _check(m.cpu_pair_macs >= 0, f"{at}.cpu_pair_macs: expected >= 0, got {m.cpu_pair_macs}")
         _check(m.embed_dim > 0 and m.num_heads > 0, f"{at}: embed_dim and num_heads must be positive")
         _check(
