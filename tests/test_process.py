@@ -419,6 +419,16 @@ def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp
         f"attnserve bench: error: argument --json: expected a file in a directory that exists, got '{missing}' "
         f"({missing.parent} is not)"
     )
+    # bench's own numbers, and a model the server it starts refuses (before: tracebacks, or no request measured).
+    for flag, value in (("--processes", "-1"), ("--warmup-s", "nan"), ("--inprocess-s", "-1")):
+        r = run_cli("bench", "--target", default_server.target, flag, value)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and f"argument {flag}: expected " in r.stderr
+    r = run_cli("bench", "--embed-dim", "30", "--duration-s", "0.5", "--no-inprocess")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-2:] == [
+        "attnserve: configuration error: models[0] ('default').embed_dim: 30 is not divisible by num_heads 8",
+        "attnserve bench: max_batch=64: the server it started exited with code 2",
+    ]
     # serve and bench in a client-only install (torch absent) say which extra to install.
     serve = BLOCK_TORCH.split("import numpy")[0] + "from attnserve_server.cli import main\nsys.exit(main(['serve']))\n"
     r = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, timeout=60)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from attnserve_bench.process import spawn_serve
+from attnserve_bench.process import ServeExited, spawn_serve
 from attnserve_bench.results import Row, medians, plot, table
 from attnserve_server.connect import (
     Refused,
@@ -37,7 +37,9 @@ from attnserve_server.connect import (
     connection_from,
     lengths,
     output_file,
+    positive_number,
     seconds,
+    seconds_or_zero,
     target,
     whole_number,
 )
@@ -61,8 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma list of in-flight requests (default 1,8,32,64)",
     )
     p.add_argument("--duration-s", type=seconds, default=8.0, help="measured seconds per level (default 8)")
-    p.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
-    p.add_argument("--processes", type=int, default=0, help="client processes (default: min(concurrency, cores))")
+    p.add_argument(
+        "--warmup-s", type=seconds_or_zero, default=2.0, help="unmeasured seconds before each level (default 2)"
+    )
+    p.add_argument("--processes", type=whole_number, help="client processes (default: min(concurrency, cores))")
     p.add_argument("--batch", type=whole_number, default=1, help="sequences per request (default 1)")
     p.add_argument(
         "--seq-len",
@@ -97,7 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--inprocess-s",
-        type=float,
+        type=seconds,
         default=3.0,
         help="seconds per in-process measurement; a CPU worker that pairs is timed both ways, whole batches "
         "and their halves side by side, and the faster is the limit (default 3)",
@@ -124,7 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pa-stability",
-        type=float,
+        type=positive_number,
         default=50.0,
         metavar="PERCENT",
         help="with --perf-analyzer: the spread its windows may show and still count as stable, in per cent "
@@ -547,7 +551,7 @@ def _run_level(
     batches = [x for g in gathered for x in g[1]]
     errors = [x for g in gathered for x in g[2]]
     if lat.size == 0:
-        raise RuntimeError(f"no request completed at concurrency {concurrency}: {errors[:3]}")
+        raise NoAnswers(f"no request completed at concurrency {concurrency}: {'; '.join(sorted(set(errors))[:3])}")
     p50, p90, p99 = np.percentile(lat, [50, 90, 99]) * 1e3
     return Row(
         server=label,
@@ -561,6 +565,10 @@ def _run_level(
         mean_batch=float(np.mean(batches)),
         error_samples=sorted(set(errors))[:3],
     )
+
+
+class NoAnswers(Exception):
+    """Every request of a level failed: nothing to measure."""
 
 
 # -- servers started by bench ---------------------------------------------------------------
@@ -869,8 +877,12 @@ def run(args: argparse.Namespace) -> int:
         target = args.target
         label = target
         if variant is not None:
-            proc, target = _start_server(args, *variant)
             label = f"max_batch={variant[0]}" + (f" edges={variant[1]}" if edge_counts != ["auto"] else "")
+            try:
+                proc, target = _start_server(args, *variant)
+            except ServeExited as exc:  # a model flag it refused, in one line above
+                print(f"attnserve bench: {label}: the server it started exited with code {exc.code}", file=sys.stderr)
+                return 2
         try:
             # A server bench started is ready (spawn_serve waited for it); one given by --target is either
             # there or named in one line at once, not waited for in silence.
@@ -885,7 +897,11 @@ def run(args: argparse.Namespace) -> int:
                 echo = _start_echo(target, args.model)
             for n in range(1, rounds + 1):
                 for measure in _levels(target, info, inputs, levels, args, label):
-                    row = measure()
+                    try:
+                        row = measure()
+                    except NoAnswers as exc:
+                        print(f"attnserve bench: {label}: {exc}", file=sys.stderr)
+                        return 1
                     if rounds > 1:
                         row.round = n
                     if beside:

@@ -13,6 +13,14 @@ from typing import Any
 _READY = re.compile(r"^attnserve ready grpc=(\S+):(\d+) metrics=(?:\S+:(\d+)|off)")
 
 
+class ServeExited(RuntimeError):
+    """`attnserve serve` ended before it was ready (its own error is on its stderr)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"attnserve serve exited with code {code} before it was ready")
+        self.code = code
+
+
 @dataclass
 class ServeProcess:
     proc: subprocess.Popen
@@ -37,4 +45,4 @@ def spawn_serve(*flags: str, stderr: Any = None, preexec_fn: Callable[[], object
         if match := _READY.match(line):
             metrics = int(match.group(3)) if match.group(3) else None
             return ServeProcess(proc, int(match.group(2)), metrics, match.group(1))
-    raise RuntimeError(f"attnserve serve exited with code {proc.wait()} before it was ready")
+    raise ServeExited(proc.wait())
