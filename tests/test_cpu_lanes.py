@@ -93,7 +93,7 @@ def test_lanes_share_the_cores_unless_threads_are_configured() -> None:
         assert worker.lanes == 2 and worker.team_size == max(1, DEFAULT_THREADS // 2)
     finally:
         worker.close()
-    with pytest.raises(ConfigError, match=r"cpu_lanes: expected >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"cpu_lanes: expected 1\.\.\d+ \(the CPUs this process may run on\), got 0"):
         validate(settings(model(cpu_lanes=0)))
 
 
