@@ -4,6 +4,7 @@ types their numbers take, and `Refused`."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -68,37 +69,25 @@ def comma_list(what: str) -> Callable[[str], tuple[int, ...]]:
 lengths = comma_list("a length")
 
 
-def seconds(text: str) -> float:
-    """An argument type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+def finite_number(what: str, *, zero: bool = False) -> Callable[[str], float]:
+    """An argument type: `what`, a finite number > 0 (>= 0 with `zero`)."""
+    bound = ">= 0" if zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def seconds_or_zero(text: str) -> float:
-    """An argument type: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
-
-
-def positive_number(text: str) -> float:
-    """An argument type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+seconds = finite_number("a number of seconds")
+seconds_or_zero = finite_number("a number of seconds", zero=True)
+positive_number = finite_number("a number")
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
