@@ -46,6 +46,14 @@ from attnserve_server.connect import (
 from attnserve_server.runtime import allocator, openmp
 
 
+def _pa_modes(text: str) -> tuple[str, ...]:
+    """--pa-modes: perf_analyzer's modes, checked before anything starts."""
+    modes = tuple(mode.strip() for mode in text.split(","))
+    if not all(mode in ("sync", "async", "streaming") for mode in modes):
+        raise argparse.ArgumentTypeError(f"expected sync, async, streaming or a comma list of them, got {text!r}")
+    return modes
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -123,6 +131,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pa-modes",
+        type=_pa_modes,
         default="sync,async",
         help="with --perf-analyzer: comma list of sync, async, streaming (default sync,async)",
     )
@@ -816,7 +825,7 @@ def _levels(
     room = perf_analyzer.output_bytes(inputs, info.output_dim, info.dtype) if args.shared_memory else 0
     return [
         lambda level=level, mode=mode: perf_analyzer.run_level(target, data, inputs, level, mode, args, label, room)
-        for mode in args.pa_modes.split(",")
+        for mode in args.pa_modes
         for level in levels
     ]
 
