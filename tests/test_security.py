@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from attnserve import AttnServeError, Client
+from attnserve_server.errors import ConfigError
 from attnserve_server.metrics_http import MIN_RENDER_INTERVAL_S, MetricsHTTPServer
 from attnserve_server.security import token_hash
 
@@ -116,6 +117,31 @@ def test_a_renewed_certificate_is_served_to_new_connections_while_open_ones_go_o
         with Client(handle.target, ca=str(renewed.ca_pem), timeout_s=10) as after:
             assert after.attend(Q).output.shape == (3, 32)
         assert before.attend(Q).output.shape == (3, 32)  # the open connection was not dropped
+
+
+def test_a_certificate_and_key_that_do_not_load_are_named_at_start_up_and_never_replace_good_ones(
+    pki: Pki, tmp_path: Path
+) -> None:
+    # Before: gRPC only failed to add the port, read as "cannot bind (in use, or not an address of this
+    # host)"; and a renewal with a broken pair replaced the good one, failing every new handshake.
+    other = Pki(tmp_path / "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    for cert, key, ca in (
+        (garbage, garbage, None),
+        (pki.server_cert, other.server_key, None),  # a key for another certificate
+        (pki.server_cert, pki.server_key, garbage),
+    ):
+        fields = {"tls_cert": str(cert), "tls_key": str(key), "tls_client_ca": str(ca) if ca else None}
+        refused = pytest.raises(ConfigError, match=r"tls_(cert, tls_key|client_ca): cannot load")
+        with refused, running(settings(model(embed_dim=32, num_heads=4), **fields)):
+            pass
+    live = Pki(tmp_path / "live", ca=pki.ca)
+    with running(tls_settings(live)) as handle:
+        live.server_cert.write_text("half written\n")
+        handle.server.reload_tls()
+        with Client(handle.target, ca=str(pki.ca_pem), timeout_s=10) as c:  # a new connection, the good pair
+            assert c.attend(Q).output.shape == (3, 32)
 
 
 def test_tokens_authenticate_and_authorise_per_model(tmp_path: Path) -> None:

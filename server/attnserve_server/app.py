@@ -188,7 +188,8 @@ class AttnServer:
                     s.metrics_tls_client_ca,
                 )
             except ssl.SSLError as exc:
-                raise ConfigError(f"metrics_tls_cert, metrics_tls_key: cannot load them ({exc.reason})") from None
+                why = exc.reason or exc.strerror or exc
+                raise ConfigError(f"metrics_tls_cert, metrics_tls_key: cannot load them ({why})") from None
             except OSError as exc:
                 address = host_port(host, s.metrics_port)
                 raise PortUnavailable(f"metrics port {address}: cannot bind ({exc.strerror})") from None

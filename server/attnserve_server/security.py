@@ -15,13 +15,17 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import logging
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from attnserve_server.errors import ConfigError, PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
 
 ALL_MODELS = "*"
 # The models the current call's token may use; None when tokens are not required.
@@ -109,6 +113,28 @@ def _read(path: str, setting: str) -> bytes:
         raise ConfigError(f"{setting} {path}: {exc.strerror}") from None
 
 
+def check_pem(cert: str, key: str, client_ca: bytes | None) -> None:
+    """Refuses a certificate and key that do not load as a pair (not PEM, a key for another certificate,
+    an encrypted key), or a client CA that holds no certificate, as OpenSSL reads them. gRPC only says
+    that it could not add the port, which read as a port in use."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails, never prompts
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"tls_cert, tls_key: cannot load them as a PEM certificate and its key ({_why(exc)})"
+        ) from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"tls_client_ca: cannot load it as PEM certificates ({_why(exc)})") from None
+
+
+def _why(exc: BaseException) -> str:
+    return str(getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc)
+
+
 class ReloadingTLS:
     """Server credentials whose certificate, key and client CA are read again when a file changes
     (or after `reload()`, which SIGHUP calls), for the next handshake."""
@@ -131,6 +157,7 @@ class ReloadingTLS:
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         pair = (_read(self._key, "tls_key"), _read(self._cert, "tls_cert"))
         ca = _read(self._client_ca, "tls_client_ca") if self._client_ca else None
+        check_pem(self._cert, self._key, ca)
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
     def reload(self) -> None:
@@ -144,5 +171,6 @@ class ReloadingTLS:
         self._forced, self._stamp = False, stamp
         try:
             return self._configuration()
-        except ConfigError:
-            return None  # a file half-written or removed: keep serving with the last good certificate
+        except ConfigError as exc:  # a file half-written or removed: keep serving with the last good certificate
+            log.warning("TLS files changed but cannot be used (%s); the last good certificate stays", exc)
+            return None
