@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
 import re
 import tomllib
 import types
@@ -19,6 +18,7 @@ from attnserve_server.compute.threads import ALONE_FLOOR_MACS, MIN_SPEEDUP, SMAL
 from attnserve_server.domain import ModelKind, optional_inputs
 from attnserve_server.dtypes import FLOATS
 from attnserve_server.errors import ConfigError
+from attnserve_server.runtime.edges import MOST_EDGES_PER_CPU, affinity_cpus
 from attnserve_server.runtime.eventloop import CHOICES as EVENT_LOOPS
 from attnserve_server.runtime.idle_spin import WINDOW_MS
 from attnserve_server.solo import SOLO_MACS
@@ -681,7 +681,7 @@ def validate(settings: ServerSettings) -> None:
         math.isfinite(settings.worker_stall_s) and settings.worker_stall_s >= 0,
         f"worker_stall_s: expected >= 0, got {settings.worker_stall_s}",
     )
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = affinity_cpus()
     _check(  # past the CPUs: OpenMP only contends, and past the thread limit it aborts the process
         settings.torch_threads is None or 1 <= settings.torch_threads <= cpus,
         f"torch_threads: expected 1..{cpus} (the CPUs this process may run on), got {settings.torch_threads}",
@@ -724,6 +724,12 @@ def validate(settings: ServerSettings) -> None:
     _check(
         settings.edge_processes is None or settings.edge_processes >= 1,
         f"edge_processes: expected auto or >= 1, got {settings.edge_processes}",
+    )
+    most = MOST_EDGES_PER_CPU * cpus
+    _check(
+        settings.edge_processes is None or settings.edge_processes <= most,
+        f"edge_processes: expected auto or 1..{most} ({MOST_EDGES_PER_CPU} per CPU this process may run on), "
+        f"got {settings.edge_processes}",
     )
     _check(
         settings.edge_arena_bytes >= 1 << 20, f"edge_arena_bytes: expected >= 1048576, got {settings.edge_arena_bytes}"

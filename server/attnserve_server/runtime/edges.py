@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
-from attnserve_server.errors import ConfigError
 from attnserve_server.runtime.idle_spin import cpu_quota
 from attnserve_server.runtime.openmp import uses_gpu
 
 CPUS_PER_EDGE = 4
 MOST_EDGES = 4
-MOST_EDGES_PER_CPU = 4  # the most a setting may ask for
+# The most a setting may ask for: each edge is a Python process of its own (~100 MiB), more of them than
+# CPUs only contend, and a mistyped 100000 started edges until the machine ran out of memory.
+MOST_EDGES_PER_CPU = 4
 
 
 def usable_cpus() -> int:
@@ -41,17 +42,9 @@ def affinity_cpus() -> int:
 
 
 def resolve(edge_processes: int | None, devices: Iterable[str], environ: Mapping[str, str]) -> tuple[int, str]:
-    """The edge count to run, and why (for the log): the setting itself, or `auto`'s choice. A count
-    past MOST_EDGES_PER_CPU per CPU this process may run on is refused: each edge is a Python process of
-    its own (~100 MiB), more of them than CPUs only contend, and a mistyped 100000 started edges until
-    the machine ran out of memory."""
+    """The edge count to run, and why (for the log): the setting itself (settings.validate bounds it at
+    MOST_EDGES_PER_CPU per CPU), or `auto`'s choice."""
     if edge_processes is not None:
-        most = MOST_EDGES_PER_CPU * affinity_cpus()
-        if edge_processes > most:
-            raise ConfigError(
-                f"edge_processes: expected auto or 1..{most} ({MOST_EDGES_PER_CPU} per CPU this process may run "
-                f"on), got {edge_processes}"
-            )
         return edge_processes, "as set"
     gpu = uses_gpu(devices, environ)
     cpus = usable_cpus()
