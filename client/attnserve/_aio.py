@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -127,6 +128,16 @@ async def _lost_stream_status(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """An AsyncClient's channel, bound to the event loop it was made in, and its stubs."""
+
+    loop: asyncio.AbstractEventLoop
+    channel: grpc.aio.Channel
+    service: pb_grpc.AttentionServiceStub
+    health: health_pb2_grpc.HealthStub
+
+
 class AsyncClient:
     """asyncio client over grpc.aio; same arguments and methods as `Client`.
 
@@ -158,39 +169,37 @@ class AsyncClient:
         self._options = options
         self._credentials = credentials
         self._call_args = CallDefaults(timeout_s, wait_for_ready, token, trace)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._channel: grpc.aio.Channel | None = None
+        self._bound: _Bound | None = None  # the channel of the loop that uses it, made at its first call
         self._closed = False
 
-    def _open(self) -> grpc.aio.Channel:
-        """The channel of the running event loop (see the class)."""
+    def _open(self) -> _Bound:
+        """The channel and stubs of the running event loop (see the class)."""
         loop = asyncio.get_running_loop()
-        if loop is self._loop and self._channel is not None:
-            return self._channel
+        bound = self._bound
+        if bound is not None and bound.loop is loop:
+            return bound
         if self._closed:
             raise grpc.aio.UsageError("Channel is closed.")
-        if self._loop is not None and not self._loop.is_closed():
+        if bound is not None and not bound.loop.is_closed():
             raise RuntimeError(
                 "AsyncClient: its channel belongs to another event loop, which is still open; "
                 "make one client per event loop"
             )
-        self._loop = loop
-        self._channel = (
+        channel = (
             grpc.aio.secure_channel(self._target, self._credentials, self._options)
             if self._credentials is not None
             else grpc.aio.insecure_channel(self._target, self._options)
         )
-        self._stub = pb_grpc.AttentionServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        return self._channel
+        self._bound = _Bound(loop, channel, pb_grpc.AttentionServiceStub(channel), health_pb2_grpc.HealthStub(channel))
+        return self._bound
 
     async def attend(
         self, query: Any, key_value: Any = None, *, timeout_s: float | None = None, **fields: Any
     ) -> AttendResult:
         msg = encode_request(Request(query=query, key_value=key_value, **fields))
-        self._open()
+        stub = self._open().service
         with translate_errors():
-            return decode_response(await self._stub.Attend(msg, **self._call_args(timeout_s)))
+            return decode_response(await stub.Attend(msg, **self._call_args(timeout_s)))
 
     async def attend_stream(
         self,
@@ -205,8 +214,7 @@ class AsyncClient:
         args = self._call_args(timeout_s)
         timeout = args["timeout"]
         deadline = None if timeout is None else time.monotonic() + timeout  # type: ignore[operator]
-        self._open()
-        call = self._stub.AttendStream(outgoing, **args)
+        call = self._open().service.AttendStream(outgoing, **args)
         status = _StreamStatus()
         call.add_done_callback(status)
         try:
@@ -226,29 +234,27 @@ class AsyncClient:
             call.cancel()
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        self._open()
+        stub = self._open().service
         with translate_errors():
-            reply = await self._stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
+            reply = await stub.ListModels(pb.ListModelsRequest(), **self._call_args(timeout_s))
         return [decode_model(m) for m in reply.models]
 
     async def model(self, name: str = "", *, timeout_s: float | None = None) -> ModelInfo:
-        self._open()
+        stub = self._open().service
         with translate_errors():
-            reply = await self._stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
+            reply = await stub.GetModel(pb.GetModelRequest(model=name), **self._call_args(timeout_s))
         return decode_model(reply)
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
-        self._open()
+        health = self._open().health
         with translate_errors():
-            reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s)
-            )
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), **self._call_args(timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
         self._closed = True
-        if self._channel is not None and self._loop is asyncio.get_running_loop():
-            await self._channel.close()
+        if self._bound is not None and self._bound.loop is asyncio.get_running_loop():
+            await self._bound.channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
