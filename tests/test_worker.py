@@ -230,9 +230,11 @@ def test_served_batches_and_warm_up_compute_in_inference_mode_and_a_callers_batc
         w.close()
 
 
-def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """W1 takes the CPU's tiled path unmasked from 8 sequences (compute/attention.py): warm-up runs such a
-    batch, so the first one served does not pay for its first call."""
+@pytest.mark.parametrize("bound", ["batch", "sequence"])
+def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypatch: pytest.MonkeyPatch, bound) -> None:
+    """W1 takes the CPU's tiled path unmasked from 8 sequences with the batch bound (compute/attention.py):
+    warm-up runs such a batch, so the first one served does not pay for its first call. With the bound on
+    each sequence no unmasked batch of L=64 or less reaches it."""
     tiled_calls: list[tuple[int, bool, bool]] = []
     tiled = AttentionCompute._tiled
 
@@ -245,7 +247,11 @@ def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypat
     # hold 7; 2 heads: 32 KiB, so 32 to a batch, more than warm-up computes (WARM_TILED_MAX_SEQUENCES)
     for heads, largest, unmasked in ((8, 64, [(8, True, False)]), (8, 7, []), (2, 64, [])):
         settings = ModelSettings(
-            embed_dim=64, num_heads=heads, device=("cpu",), batching=BatchingSettings(max_batch_size=largest)
+            embed_dim=64,
+            num_heads=heads,
+            device=("cpu",),
+            cpu_fused_bound=bound,
+            batching=BatchingSettings(max_batch_size=largest),
         )
         spec = spec_from_settings(settings)
         w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
@@ -254,7 +260,7 @@ def test_warm_up_runs_the_unmasked_tiled_path_where_a_batch_reaches_it(monkeypat
             w.executor.submit(w.warmup).result()
         finally:
             w.close()
-        assert [c for c in tiled_calls if c[1] and not c[2]] == unmasked
+        assert [c for c in tiled_calls if c[1] and not c[2]] == (unmasked if bound == "batch" else [])
         assert any(not c[1] for c in tiled_calls) and any(c[2] for c in tiled_calls)  # masked, causal
 
 
@@ -393,7 +399,7 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
     causal: bool, padded: bool, weights: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if path == "tiled":  # every CPU batch that returns no weights takes the tiled path
-        monkeypatch.setattr(attention, "FUSED_CPU_MAX_BATCH_SCORE_BYTES", 0)
+        monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
     matmul = "onednn" if path == "tiled on oneDNN" else "aten"
@@ -414,7 +420,8 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
         assert w1 is None and w2 is None
 
 
-def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bound", ["batch", "sequence"])
+def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytest.MonkeyPatch, bound: str) -> None:
     native, batches = attention._NATIVE_MHA, []
 
     def counted(*args: object) -> object:
@@ -423,7 +430,7 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
 
     monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
-    compute = AttentionCompute(spec, random_projections(spec, 0), cpu_matmul="aten")
+    compute = AttentionCompute(spec, random_projections(spec, 0), cpu_matmul="aten", fused_bound=bound)
     reference = AttentionCompute(spec, compute.params, tiled=False, cpu_matmul="aten")
     one_padded = torch.tensor([[False] * 60 + [True] * 4])
     with torch.inference_mode():
@@ -441,21 +448,50 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
         compute(x, None, None, one_padded, False, False, False)  # masked: tiled at any size
         compute(x, None, None, None, True, False, False)
         compute(torch.randn(2, 256, 256), None, None, None, False, True, True)  # weights: fused
-    # the reference takes the fused kernel for every batch; the model up to 7 W1 sequences, one of L=128,
-    # and at L=256 only for weights
-    assert batches == [1, 1, 7, 7, 8, 16, 1, 1, 2, 1, 4, 2]
+    # the reference takes the fused kernel for every batch; the model with the batch bound up to 7 W1
+    # sequences and one of L=128, with the bound on each sequence every batch of L=64 and L=128; at L=256
+    # (2 MiB a sequence) only for weights
+    if bound == "batch":
+        assert batches == [1, 1, 7, 7, 8, 16, 1, 1, 2, 1, 4, 2]
+    else:
+        assert batches == [1, 1, 7, 7, 8, 8, 16, 16, 1, 1, 2, 2, 1, 4, 2]
 
 
-def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_products() -> None:
+@pytest.mark.parametrize(("capability", "bound"), [("AVX2", "batch"), ("AVX512", "sequence"), ("DEFAULT", "sequence")])
+def test_the_fused_kernels_bound_applies_to_the_batch_only_where_torch_computes_with_avx2(
+    monkeypatch: pytest.MonkeyPatch, capability: str, bound: str
+) -> None:
+    """`cpu_fused_bound: auto` is the batch bound where it was measured to pay (AVX2, the Zen 2), the bound
+    on each sequence elsewhere (AVX-512, the Zen 4); a bound set explicitly stands on any CPU."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
+    params = random_projections(spec, 0)
+    assert AttentionCompute(spec, params).fused_bound == bound
+    assert AttentionCompute(spec, params, fused_bound="batch").fused_bound == "batch"
+    assert AttentionCompute(spec, params, fused_bound="sequence").fused_bound == "sequence"
+    with pytest.raises(ValueError, match="fused_bound: expected auto or one of batch, sequence, got 'x'"):
+        AttentionCompute(spec, params, fused_bound="x")
+    # and a model's setting reaches its worker's kernels
+    other = "sequence" if bound == "batch" else "batch"
+    spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",), cpu_fused_bound=other))
+    w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+    try:
+        assert w._compute.fused_bound == other
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("bound", ["batch", "sequence"])
+def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_products(bound: str) -> None:
     """Whichever products the tiled path multiplies with, it takes over at the same length."""
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
     params = random_projections(spec, 0)
-    onednn = AttentionCompute(spec, params)  # the default
-    aten = AttentionCompute(spec, params, cpu_matmul="aten")
+    onednn = AttentionCompute(spec, params, fused_bound=bound)  # the default products
+    aten = AttentionCompute(spec, params, cpu_matmul="aten", fused_bound=bound)
     with torch.inference_mode():
         for n, length in ((1, 64), (7, 64), (16, 64), (1, 128), (8, 128), (1, 256), (4, 256)):
             x = torch.randn(n, length, 256)
-            fused = n * 8 * length * length * 4 < 1 << 20  # the batch's scores under 1 MiB
+            fused = (n if bound == "batch" else 1) * 8 * length * length * 4 < 1 << 20  # scores under 1 MiB
             assert onednn._fused_pays(x, None, False, False) == aten._fused_pays(x, None, False, False) == fused
             torch.testing.assert_close(
                 onednn(x, None, None, None, False, False, False)[0],

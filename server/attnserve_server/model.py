@@ -65,6 +65,7 @@ def spec_from_settings(
         max_answer_bytes=max_message_bytes,
         cuda_graphs=settings.cuda_graphs,
         cpu_matmul=settings.cpu_matmul,
+        cpu_fused_bound=settings.cpu_fused_bound,
         cpu_lanes=settings.cpu_lanes,
         cpu_pair_macs=_pair_macs(settings),
         optional_inputs=optional_inputs_kept(settings),

@@ -29,6 +29,7 @@ DTYPES = ("auto", *FLOATS)
 KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
 CPU_MATMULS = ("onednn", "aten")  # compute/linear.py
+CPU_FUSED_BOUNDS = ("auto", "batch", "sequence")  # compute/attention.py
 # Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third and forty-fifth passes,
 # how they were chosen).
 LINGER_MACS = 16_000_000
@@ -110,6 +111,11 @@ class ModelSettings:
     # How the CPU multiplies the projections: onednn (weights packed once) or aten (torch's F.linear):
     # compute/linear.py. Ignored on CUDA.
     cpu_matmul: str = "onednn"
+    # What the fused kernel's 1 MiB bound on scores applies to in an unmasked CPU self-attention batch:
+    # batch (the whole batch's; larger batches take the tiled path), sequence (each sequence's alone, at
+    # any batch size), or auto (batch where torch computes with AVX2 at most, sequence elsewhere):
+    # compute/attention.py. Ignored on CUDA.
+    cpu_fused_bound: str = "auto"
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
     cpu_lanes: int = 1
@@ -395,6 +401,14 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         str,
         "how the CPU multiplies the projections: onednn (weights packed once) or aten (torch's own) (default onednn)",
+    ),
+    Option(
+        "cpu-fused-bound",
+        "model",
+        str,
+        "what the CPU's fused attention kernel's 1 MiB bound on scores applies to: batch (a larger batch takes the"
+        " tiled path), sequence (any batch size), or auto (batch where torch computes with AVX2 at most, sequence"
+        " with AVX-512) (default auto)",
     ),
     Option(
         "cpu-lanes",
@@ -752,6 +766,10 @@ def validate(settings: ServerSettings) -> None:
         _check(
             m.cpu_matmul in CPU_MATMULS,
             f"{at}.cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {m.cpu_matmul!r}",
+        )
+        _check(
+            m.cpu_fused_bound in CPU_FUSED_BOUNDS,
+            f"{at}.cpu_fused_bound: expected one of {', '.join(CPU_FUSED_BOUNDS)}, got {m.cpu_fused_bound!r}",
         )
         _check(  # a lane is a thread computing on at least one CPU; 10**20 of them never finished starting
             1 <= m.cpu_lanes <= cpus,

@@ -4,7 +4,7 @@ Self attention with packed projections runs as one fused op, the one torch.nn.Mu
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
 holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores
-within FUSED_CPU_MAX_BATCH_SCORE_BYTES): larger or masked ones take the tiled path (`_tiled`:
+within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the tiled path (`_tiled`:
 scaled_dot_product_attention between the two projections, four calls into torch), which never holds a whole
 batch's scores. Cross attention, the bare operation and odd head counts take the explicit path below, as
 torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
@@ -42,15 +42,29 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # kernel's grows once the batch's scores outgrow the caches (W1 on one thread of an AMD EPYC Zen 2, µs a
 # sequence: batch 4 586 against the tiled path's 561, 16 841 against 670, 64 904 against 698). The tiled
 # path takes four calls into torch where the fused kernel takes one, and under load each call that gives up
-# the GIL may wait to take it back; small batches, which gain nothing in-process, are the fused kernel's.
-# So an unmasked CPU batch takes the fused kernel while the whole batch's scores stay under this many
-# bytes: W1 (128 KiB a sequence) up to 7 sequences, L=128 (512 KiB) one; L=256 and WL never. In pairs
-# under perf_analyzer (fifty-fifth pass, that Zen 2, with inference mode): W1 c=32 1.04x the per-sequence
-# bound this replaces (eleven runs), c=64 1.08x, L=128 c=32 1.07x; half this bound served c=8 0.97x and
-# c=32 0.98x, twice it tied. (The thirty-fifth pass had measured the opposite on a Zen 4, the fused kernel
-# 1.16x at W1 c=32, without inference mode, when the tiled path's views took the GIL inside torch to count
-# references; on the Zen 2 without it the batch bound served 0.98x, with it 1.04x.)
-FUSED_CPU_MAX_BATCH_SCORE_BYTES = 1 << 20
+# the GIL may wait to take it back. An unmasked CPU batch takes the fused kernel while its scores stay under
+# this many bytes, and the tiled path beyond; what the bound applies to (the model's `cpu_fused_bound`)
+# was measured on two CPUs, in pairs under perf_analyzer with inference mode on (BENCHMARKS.md):
+# - "batch", the whole batch's scores (W1, 128 KiB a sequence: batches of up to 7; L=128 one; L=256 and WL
+#   never): on the AVX2-only Zen 2 (fifty-fifth pass) W1 c=32 1.04x what "sequence" served (eleven runs),
+#   c=64 1.08x, L=128 c=32 1.07x; half the bound served c=8 0.97x and c=32 0.98x, twice it tied.
+# - "sequence", each sequence's scores alone, at any batch size (W1 and L=128 always fused): on an AVX-512
+#   Zen 4 (sixty-second pass) W1 c=32 1.12x and 1.17x what "batch" served (6 of 6 pairs each), though
+#   in-process the tiled path computed W1 there at 0.53-0.75x the fused kernel's cost a sequence on one
+#   thread from batch 8. Under load the two cost the same on one thread there (795 against 810 µs a
+#   sequence): what the fused kernel gains is that it computes a quarter of its batches on both threads
+#   (compute/threads.py measures it faster there), where the tiled path's several calls never are.
+# So "auto" is "batch" where torch's CPU kernels compute with AVX2 at most, "sequence" elsewhere (as on
+# every CPU before the fifty-fifth pass).
+FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
+FUSED_BOUNDS = ("batch", "sequence")
+
+
+def resolve_fused_bound(choice: str) -> str:
+    """The CPU's fused-kernel bound ("batch" or "sequence") for a model's `cpu_fused_bound` setting."""
+    if choice != "auto":
+        return choice
+    return "batch" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "sequence"
 
 
 class AttentionCompute:
@@ -63,10 +77,11 @@ class AttentionCompute:
         fused: bool = True,
         tiled: bool = True,
         cpu_matmul: str = "onednn",
+        fused_bound: str = "auto",
     ) -> None:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
-        pays (FUSED_CPU_MAX_BATCH_SCORE_BYTES), the tiled path otherwise. Tests turn either off. `cpu_matmul`:
-        how the CPU multiplies the projections (compute/linear.py)."""
+        pays (FUSED_CPU_MAX_SCORE_BYTES, applied as `fused_bound` says), the tiled path otherwise. Tests turn
+        either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py)."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
@@ -78,6 +93,9 @@ class AttentionCompute:
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
         self.fused = self.fused and spec.num_heads % 2 == 0
         self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
+        self.fused_bound = resolve_fused_bound(fused_bound)
+        if self.fused_bound not in FUSED_BOUNDS:
+            raise ValueError(f"fused_bound: expected auto or one of {', '.join(FUSED_BOUNDS)}, got {fused_bound!r}")
         if self.fused:
             p = params
             e = spec.embed_dim
@@ -132,12 +150,16 @@ class AttentionCompute:
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
-        return query.shape[0] < self.smallest_tiled_batch(query.shape[1], query.element_size())
+        tiled = self.smallest_tiled_batch(query.shape[1], query.element_size())
+        return tiled is None or query.shape[0] < tiled
 
-    def smallest_tiled_batch(self, length: int, element_size: int) -> int:
-        """How many unmasked CPU sequences of this length make a batch that takes the tiled path."""
+    def smallest_tiled_batch(self, length: int, element_size: int) -> int | None:
+        """How many unmasked CPU sequences of this length make a batch that takes the tiled path; None where
+        none does (each sequence's scores under the bound, applied to each sequence)."""
         scores = self.heads * length * length * element_size
-        return max(1, -(-FUSED_CPU_MAX_BATCH_SCORE_BYTES // scores))
+        if self.fused_bound == "sequence":
+            return None if scores < FUSED_CPU_MAX_SCORE_BYTES else 1
+        return max(1, -(-FUSED_CPU_MAX_SCORE_BYTES // scores))
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it

@@ -171,7 +171,7 @@ class DeviceWorker:
             max_workers=self.runners, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
         on_device = None if params is None else params.to(device, self.dtype)
-        self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul)
+        self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul, fused_bound=spec.cpu_fused_bound)
         if self._cuda:
             # The weights and biases were made on the device's default stream; the lanes' streams
             # do not wait for it.
@@ -556,6 +556,8 @@ class DeviceWorker:
         if self._cuda or not self._compute.fused or not self.spec.self_attention:
             return 0
         n = self._compute.smallest_tiled_batch(length, self.dtype.itemsize)
+        if n is None:
+            return 0
         fits = n <= min(WARM_TILED_MAX_SEQUENCES, self.spec.max_batch_size) and n * length <= self.spec.max_batch_tokens
         return n if n > 1 and fits else 0
 
