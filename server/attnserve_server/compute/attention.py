@@ -3,11 +3,11 @@
 Self attention with packed projections runs as one fused op, the one torch.nn.MultiheadAttention's
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
-holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores
-within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the tiled path (`_tiled`:
-scaled_dot_product_attention between the two projections, four calls into torch), which never holds a whole
-batch's scores. Cross attention, the bare operation and odd head counts take the explicit path below, as
-torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
+holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores, or
+each sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
+tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into torch), which
+never holds a whole batch's scores. Cross attention, the bare operation and odd head counts take the explicit
+path below, as torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
 (compute/linear.py); the fused kernel multiplies with torch's own products inside.
 """
 
@@ -54,7 +54,7 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 #   thread from batch 8. Under load the two cost the same on one thread there (795 against 810 µs a
 #   sequence): what the fused kernel gains is that it computes a quarter of its batches on both threads
 #   (compute/threads.py measures it faster there), where the tiled path's several calls never are.
-# So "auto" is "batch" where torch's CPU kernels compute with AVX2 at most, "sequence" elsewhere (as on
+# So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512, "sequence" elsewhere (as on
 # every CPU before the fifty-fifth pass).
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 FUSED_BOUNDS = ("batch", "sequence")
