@@ -469,7 +469,7 @@ def test_the_fused_kernels_bound_applies_to_the_batch_only_where_torch_computes_
     assert AttentionCompute(spec, params).fused_bound == bound
     assert AttentionCompute(spec, params, fused_bound="batch").fused_bound == "batch"
     assert AttentionCompute(spec, params, fused_bound="sequence").fused_bound == "sequence"
-    with pytest.raises(ValueError, match="fused_bound: expected auto or one of batch, sequence, got 'x'"):
+    with pytest.raises(ValueError, match="fused_bound: expected one of auto, batch, sequence, got 'x'"):
         AttentionCompute(spec, params, fused_bound="x")
     # and a model's setting reaches its worker's kernels
     other = "sequence" if bound == "batch" else "batch"

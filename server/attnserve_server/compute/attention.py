@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from attnserve_server.compute.linear import Linear
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import ModelKind, ModelSpec
+from attnserve_server.settings import CPU_FUSED_BOUNDS
 
 
 def visibility_mask(
@@ -57,7 +58,6 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512, "sequence" elsewhere (as on
 # every CPU before the fifty-fifth pass).
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
-FUSED_BOUNDS = ("batch", "sequence")
 
 
 def resolve_fused_bound(choice: str) -> str:
@@ -93,9 +93,9 @@ class AttentionCompute:
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
         self.fused = self.fused and spec.num_heads % 2 == 0
         self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
+        if fused_bound not in CPU_FUSED_BOUNDS:
+            raise ValueError(f"fused_bound: expected one of {', '.join(CPU_FUSED_BOUNDS)}, got {fused_bound!r}")
         self.fused_bound = resolve_fused_bound(fused_bound)
-        if self.fused_bound not in FUSED_BOUNDS:
-            raise ValueError(f"fused_bound: expected auto or one of {', '.join(FUSED_BOUNDS)}, got {fused_bound!r}")
         if self.fused:
             p = params
             e = spec.embed_dim
