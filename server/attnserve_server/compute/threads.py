@@ -49,8 +49,12 @@ default in pairs (6 of 8), within the pairs' noise of a few percent.
 A lone request over ALONE_FLOOR_MACS is measured the same way, apart from batches of several: what
 decides it is what a wake of the other core costs, and that differs by machine. W1 alone (19 M) ran
 faster on one thread on the Intel VM of BENCHMARKS.md's later passes (under a short OpenMP spin)
-and on two on its AMD VMs. Only a worker's thread measures: the event loop's solo runs take only
-requests that this rule runs on one thread (model.py).
+and on two on its AMD VMs. It differs on one VM by the minute, too: the host moves the two vCPUs
+between two cores of one L3 complex, two complexes and one core's two hyperthreads
+(scripts/vcpu_placement.py), and W1 on two threads took ~355 µs, 440-650 and ~570, against ~530 on
+one throughout (Zen 4, sixty-third pass). The lone arm follows such a move within ~50 requests. Only
+a worker's thread measures: the event loop's solo runs take only requests that this rule runs on
+one thread (model.py).
 
 A lone request within LONE_UNDER_LOAD of a batch of several is not alone on the machine, though: the
 loop is answering that batch and decoding the next. If its work is under `small_batch_macs` it runs
