@@ -4,7 +4,7 @@ Self attention with packed projections runs as one fused op, the one torch.nn.Mu
 own inference fast path calls, so a batch crosses from Python into torch once: every op called
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
 holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores, or
-each sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
+each small sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
 tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into torch), which
 never holds a whole batch's scores. Cross attention, the bare operation and odd head counts take the explicit
 path below, as torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from attnserve_server.compute.linear import Linear
 from attnserve_server.compute.weights import Projections
-from attnserve_server.domain import ModelKind, ModelSpec
+from attnserve_server.domain import ModelKind, ModelSpec, compute_macs
 from attnserve_server.settings import CPU_FUSED_BOUNDS
 
 
@@ -55,16 +55,25 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 #   thread from batch 8. Under load the two cost the same on one thread there (795 against 810 µs a
 #   sequence): what the fused kernel gains is that it computes a quarter of its batches on both threads
 #   (compute/threads.py measures it faster there), where the tiled path's several calls never are.
-# So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512, "sequence" elsewhere (as on
-# every CPU before the fifty-fifth pass).
+#   That holds only while the requests are cheap, though, and the edge, not the compute, bounds what is
+#   served: on the same Zen 4 (sixty-third pass, 4 pairs each) "batch" served E=256 L=192 (4 heads, 512 KiB
+#   and 69 M multiply-adds a sequence) 1.04x what "sequence" served, E=512 L=64 (71 M) 1.06x and E=512
+#   L=128 (151 M) 1.10x, where E=384 L=64 (41 M) tied (0.98x) and E=256 L=128 (42 M) took 0.93x.
+# So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512; elsewhere "sequence" for
+# sequences of under FUSED_SEQUENCE_MAX_MACS multiply-adds (as on every CPU before the fifty-fifth pass),
+# "batch" for larger ones.
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
+FUSED_SEQUENCE_MAX_MACS = 56_000_000
 
 
-def resolve_fused_bound(choice: str) -> str:
-    """The CPU's fused-kernel bound ("batch" or "sequence") for a model's `cpu_fused_bound` setting."""
+def resolve_fused_bound(choice: str) -> tuple[str, int | None]:
+    """The CPU's fused-kernel bound for a model's `cpu_fused_bound` setting: "batch" or "sequence", and
+    with "sequence" the multiply-adds a sequence from which the batch bound applies instead (None: none)."""
     if choice != "auto":
-        return choice
-    return "batch" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "sequence"
+        return choice, None
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "batch", None
+    return "sequence", FUSED_SEQUENCE_MAX_MACS
 
 
 class AttentionCompute:
@@ -95,7 +104,7 @@ class AttentionCompute:
         self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
         if fused_bound not in CPU_FUSED_BOUNDS:
             raise ValueError(f"fused_bound: expected one of {', '.join(CPU_FUSED_BOUNDS)}, got {fused_bound!r}")
-        self.fused_bound = resolve_fused_bound(fused_bound)
+        self.fused_bound, self.sequence_max_macs = resolve_fused_bound(fused_bound)
         if self.fused:
             p = params
             e = spec.embed_dim
@@ -157,7 +166,9 @@ class AttentionCompute:
         """How many unmasked CPU sequences of this length make a batch that takes the tiled path; None where
         none does (each sequence's scores under the bound, applied to each sequence)."""
         scores = self.heads * length * length * element_size
-        if self.fused_bound == "sequence":
+        if self.fused_bound == "sequence" and (
+            self.sequence_max_macs is None or compute_macs(self.spec, 1, length, length) < self.sequence_max_macs
+        ):
             return None if scores < FUSED_CPU_MAX_SCORE_BYTES else 1
         return max(1, -(-FUSED_CPU_MAX_SCORE_BYTES // scores))
 
