@@ -462,7 +462,7 @@ def test_auto_bounds_the_fused_kernel_by_the_batch_on_avx2_and_for_large_sequenc
     monkeypatch: pytest.MonkeyPatch, capability: str, bound: str
 ) -> None:
     """`cpu_fused_bound: auto` is the batch bound where it was measured to pay (AVX2, the Zen 2), the bound
-    on each sequence elsewhere (AVX-512, the Zen 4) for sequences of under 56 M multiply-adds, and the batch
+    on each sequence elsewhere (AVX-512, the Zen 4) for sequences of under 48 M multiply-adds, and the batch
     bound for larger ones; a bound set explicitly stands on any CPU."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
@@ -471,16 +471,22 @@ def test_auto_bounds_the_fused_kernel_by_the_batch_on_avx2_and_for_large_sequenc
     assert AttentionCompute(spec, params, fused_bound="batch").fused_bound == "batch"
     assert AttentionCompute(spec, params, fused_bound="sequence").fused_bound == "sequence"
     # the fewest sequences that take the tiled path: W1 (19 M multiply-adds, 128 KiB of scores a sequence)
-    # and L=128 (42 M, 512 KiB), then L=192 (69 M, 1.1 MiB) and E=512's L=64 (71 M, 128 KiB)
-    wide = spec_from_settings(ModelSettings(embed_dim=512, num_heads=8, device=("cpu",)))
-    wide_params = random_projections(wide, 0)
+    # and L=128 (42 M, 512 KiB), then L=192 (69 M, 1.1 MiB), E=512's L=64 (71 M, 128 KiB) and, with 4 heads,
+    # L=160 (55 M, 400 KiB)
     smallest = [
         AttentionCompute(spec, params, fused_bound=b).smallest_tiled_batch(n, 4)
         for b in ("auto", "batch", "sequence")
         for n in (64, 128, 192)
-    ] + [AttentionCompute(wide, wide_params, fused_bound=b).smallest_tiled_batch(64, 4) for b in ("auto", "sequence")]
-    auto = [8, 2, 1, 8] if bound == "batch" else [None, None, 1, 8]
-    assert smallest == [*auto[:3], 8, 2, 1, None, None, 1, auto[3], None]
+    ]
+    for e, h, length in ((512, 8, 64), (256, 4, 160)):
+        other = spec_from_settings(ModelSettings(embed_dim=e, num_heads=h, device=("cpu",)))
+        other_params = random_projections(other, 0)
+        smallest += [
+            AttentionCompute(other, other_params, fused_bound=b).smallest_tiled_batch(length, 4)
+            for b in ("auto", "sequence")
+        ]
+    auto = [8, 2, 1, 8, 3] if bound == "batch" else [None, None, 1, 8, 3]
+    assert smallest == [*auto[:3], 8, 2, 1, None, None, 1, auto[3], None, auto[4], None]
     with pytest.raises(ValueError, match="fused_bound: expected one of auto, batch, sequence, got 'x'"):
         AttentionCompute(spec, params, fused_bound="x")
     # and a model's setting reaches its worker's kernels

@@ -114,7 +114,7 @@ class ModelSettings:
     # What the fused kernel's 1 MiB bound on scores applies to in an unmasked CPU self-attention batch:
     # batch (the whole batch's; larger batches take the tiled path), sequence (each sequence's alone, at
     # any batch size), or auto (batch where torch computes with AVX2 and not AVX-512; elsewhere sequence for
-    # sequences of under 56 M multiply-adds, batch for larger): compute/attention.py. Ignored on CUDA.
+    # sequences of under 48 M multiply-adds, batch for larger): compute/attention.py. Ignored on CUDA.
     cpu_fused_bound: str = "auto"
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
@@ -408,7 +408,7 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "what the CPU's fused attention kernel's 1 MiB bound on scores applies to: batch (a larger batch takes the"
         " tiled path), sequence (any batch size), or auto (batch where torch computes with AVX2 and not AVX-512;"
-        " elsewhere sequence for sequences of under 56 M multiply-adds, batch for larger) (default auto)",
+        " elsewhere sequence for sequences of under 48 M multiply-adds, batch for larger) (default auto)",
     ),
     Option(
         "cpu-lanes",

@@ -56,14 +56,15 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 #   sequence): what the fused kernel gains is that it computes a quarter of its batches on both threads
 #   (compute/threads.py measures it faster there), where the tiled path's several calls never are.
 #   That holds only while the requests are cheap, though, and the edge, not the compute, bounds what is
-#   served: on the same Zen 4 (sixty-third pass, 4 pairs each) "batch" served E=256 L=192 (4 heads, 512 KiB
-#   and 69 M multiply-adds a sequence) 1.04x what "sequence" served, E=512 L=64 (71 M) 1.06x and E=512
-#   L=128 (151 M) 1.10x, where E=384 L=64 (41 M) tied (0.98x) and E=256 L=128 (42 M) took 0.93x.
+#   served: on the same Zen 4 (sixty-third pass, 4 pairs each) "batch" served E=256 L=160 (4 heads, 400 KiB
+#   and 55 M multiply-adds a sequence) 1.06x what "sequence" served, E=320 L=128 (63 M) 1.09x, E=256 L=192
+#   (4 heads, 69 M) 1.04x, E=512 L=64 (71 M) 1.06x and E=512 L=128 (151 M) 1.10x, where E=384 L=64 (41 M)
+#   tied (0.98x) and E=256 L=128 (42 M) took 0.93x.
 # So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512; elsewhere "sequence" for
 # sequences of under FUSED_SEQUENCE_MAX_MACS multiply-adds (as on every CPU before the fifty-fifth pass),
 # "batch" for larger ones.
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
-FUSED_SEQUENCE_MAX_MACS = 56_000_000
+FUSED_SEQUENCE_MAX_MACS = 48_000_000
 
 
 def resolve_fused_bound(choice: str) -> tuple[str, int | None]:
