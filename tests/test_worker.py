@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from attnserve_server.compute import attention
 from attnserve_server.compute.attention import AttentionCompute
+from attnserve_server.compute.devices import cpu_family, cpu_flags
 from attnserve_server.compute.groups import length_groups
 from attnserve_server.compute.staging import Stager, host_tensor, pack, split
 from attnserve_server.compute.threads import (
@@ -457,13 +458,24 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
         assert batches == [1, 1, 7, 7, 8, 8, 16, 16, 1, 1, 2, 2, 1, 4, 2]
 
 
-@pytest.mark.parametrize(("capability", "bound"), [("AVX2", "batch"), ("AVX512", "sequence"), ("DEFAULT", "sequence")])
-def test_auto_bounds_the_fused_kernel_by_the_batch_on_avx2_and_for_large_sequences_elsewhere(
-    monkeypatch: pytest.MonkeyPatch, capability: str, bound: str
+@pytest.mark.parametrize(
+    ("family", "capability", "bound", "cut"),
+    [
+        (("AuthenticAMD", 23), "AVX2", "batch", False),  # the Zen 2
+        (("AuthenticAMD", 25), "AVX2", "sequence", False),  # the Zen 3
+        (("GenuineIntel", 6), "AVX2", "sequence", False),
+        (("AuthenticAMD", 25), "AVX512", "sequence", True),  # the Zen 4
+        (("GenuineIntel", 6), "AVX512", "sequence", True),
+        (None, "DEFAULT", "sequence", True),
+    ],
+)
+def test_auto_bounds_the_fused_kernel_as_measured_on_each_cpu(
+    monkeypatch: pytest.MonkeyPatch, family: tuple[str, int] | None, capability: str, bound: str, cut: bool
 ) -> None:
-    """`cpu_fused_bound: auto` is the batch bound where it was measured to pay (AVX2, the Zen 2), the bound
-    on each sequence elsewhere (AVX-512, the Zen 4) for sequences of under 48 M multiply-adds, and the batch
-    bound for larger ones; a bound set explicitly stands on any CPU."""
+    """`cpu_fused_bound: auto` is the batch bound where it was measured to pay (AMD family 23, the Zen 2), the
+    bound on each sequence on other AVX2-only CPUs (the Zen 3) and elsewhere (AVX-512, the Zen 4) for sequences
+    of under 48 M multiply-adds, with the batch bound for larger ones; a bound set explicitly stands on any CPU."""
+    monkeypatch.setattr(attention, "cpu_family", lambda: family)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
     params = random_projections(spec, 0)
@@ -485,7 +497,7 @@ def test_auto_bounds_the_fused_kernel_by_the_batch_on_avx2_and_for_large_sequenc
             AttentionCompute(other, other_params, fused_bound=b).smallest_tiled_batch(length, 4)
             for b in ("auto", "sequence")
         ]
-    auto = [8, 2, 1, 8, 3] if bound == "batch" else [None, None, 1, 8, 3]
+    auto = [8, 2, 1, 8, 3] if bound == "batch" else [None, None, 1, 8, 3] if cut else [None, None, 1, None, None]
     assert smallest == [*auto[:3], 8, 2, 1, None, None, 1, auto[3], None, auto[4], None]
     with pytest.raises(ValueError, match="fused_bound: expected one of auto, batch, sequence, got 'x'"):
         AttentionCompute(spec, params, fused_bound="x")
@@ -497,6 +509,20 @@ def test_auto_bounds_the_fused_kernel_by_the_batch_on_avx2_and_for_large_sequenc
         assert w._compute.fused_bound == other
     finally:
         w.close()
+
+
+def test_the_cpu_family_and_flags_are_the_first_processors_in_cpuinfo(tmp_path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nflags\t\t: fpu avx2\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: fpu avx512f\n"
+    )
+    assert cpu_family(str(cpuinfo)) == ("AuthenticAMD", 23)
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "avx2"}
+    arm = tmp_path / "arm"  # an Arm CPU's: neither field
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n")
+    assert cpu_family(str(arm)) is None and cpu_flags(str(arm)) == frozenset()
+    assert cpu_family(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("bound", ["batch", "sequence"])

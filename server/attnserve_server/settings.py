@@ -113,8 +113,9 @@ class ModelSettings:
     cpu_matmul: str = "onednn"
     # What the fused kernel's 1 MiB bound on scores applies to in an unmasked CPU self-attention batch:
     # batch (the whole batch's; larger batches take the tiled path), sequence (each sequence's alone, at
-    # any batch size), or auto (batch where torch computes with AVX2 and not AVX-512; elsewhere sequence for
-    # sequences of under 48 M multiply-adds, batch for larger): compute/attention.py. Ignored on CUDA.
+    # any batch size), or auto (batch on AMD's family 23, the Zen 2; sequence on other CPUs where torch computes
+    # with AVX2 and not AVX-512; elsewhere sequence for sequences of under 48 M multiply-adds, batch for
+    # larger): compute/attention.py. Ignored on CUDA.
     cpu_fused_bound: str = "auto"
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
@@ -407,8 +408,9 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         str,
         "what the CPU's fused attention kernel's 1 MiB bound on scores applies to: batch (a larger batch takes the"
-        " tiled path), sequence (any batch size), or auto (batch where torch computes with AVX2 and not AVX-512;"
-        " elsewhere sequence for sequences of under 48 M multiply-adds, batch for larger) (default auto)",
+        " tiled path), sequence (any batch size), or auto (batch on AMD's family 23, the Zen 2; sequence on other"
+        " CPUs where torch computes with AVX2 and not AVX-512; elsewhere sequence for sequences of under 48 M"
+        " multiply-adds, batch for larger) (default auto)",
     ),
     Option(
         "cpu-lanes",

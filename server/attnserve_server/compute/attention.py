@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnserve_server.compute.devices import cpu_family
 from attnserve_server.compute.linear import Linear
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import ModelKind, ModelSpec, compute_macs
@@ -45,7 +46,7 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 # path takes four calls into torch where the fused kernel takes one, and under load each call that gives up
 # the GIL may wait to take it back. An unmasked CPU batch takes the fused kernel while its scores stay under
 # this many bytes, and the tiled path beyond; what the bound applies to (the model's `cpu_fused_bound`)
-# was measured on two CPUs, in pairs under perf_analyzer with inference mode on (BENCHMARKS.md):
+# was measured on three CPUs, in pairs under perf_analyzer with inference mode on (BENCHMARKS.md):
 # - "batch", the whole batch's scores (W1, 128 KiB a sequence: batches of up to 7; L=128 one; L=256 and WL
 #   never): on the AVX2-only Zen 2 (fifty-fifth pass) W1 c=32 1.04x what "sequence" served (eleven runs),
 #   c=64 1.08x, L=128 c=32 1.07x; half the bound served c=8 0.97x and c=32 0.98x, twice it tied.
@@ -60,9 +61,14 @@ _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 #   and 55 M multiply-adds a sequence) 1.06x what "sequence" served, E=320 L=128 (63 M) 1.09x, E=256 L=192
 #   (4 heads, 69 M) 1.04x, E=512 L=64 (71 M) 1.06x and E=512 L=128 (151 M) 1.10x, where E=384 L=64 (41 M)
 #   tied (0.98x) and E=256 L=128 (42 M) took 0.93x.
-# So "auto" is "batch" where torch's CPU kernels compute with AVX2 and not AVX-512; elsewhere "sequence" for
-# sequences of under FUSED_SEQUENCE_MAX_MACS multiply-adds (as on every CPU before the fifty-fifth pass),
-# "batch" for larger ones.
+# - On an AVX2-only AMD EPYC Zen 3 (sixty-fourth pass) the fused kernel computed W1 on one thread at 0.95-0.96x
+#   the tiled path's cost a sequence from batch 4 (0.84-0.88x on two), and "sequence" served W1 c=32 1.22x what
+#   "batch" served (6 of 6 pairs), E=256 L=128 1.04x, E=512 L=64 (71 M) 1.08x, E=1024 L=64 (16 heads, 276 M)
+#   1.08x, and tied at E=512 L=128 (151 M, 1.00x): no cut by a sequence's cost there.
+# So "auto" is "batch" on AMD's family 23 (Zen to Zen 2), the one CPU measured to favour it; "sequence" on other
+# CPUs whose torch kernels compute with AVX2 and not AVX-512 (the Zen 3); elsewhere (AVX-512, as on the Zen 4,
+# and CPUs not measured) "sequence" for sequences of under FUSED_SEQUENCE_MAX_MACS multiply-adds, "batch" for
+# larger ones.
 FUSED_CPU_MAX_SCORE_BYTES = 1 << 20
 FUSED_SEQUENCE_MAX_MACS = 48_000_000
 
@@ -72,8 +78,10 @@ def resolve_fused_bound(choice: str) -> tuple[str, int | None]:
     with "sequence" the multiply-adds a sequence from which the batch bound applies instead (None: none)."""
     if choice != "auto":
         return choice, None
-    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+    if cpu_family() == ("AuthenticAMD", 23):
         return "batch", None
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "sequence", None
     return "sequence", FUSED_SEQUENCE_MAX_MACS
 
 

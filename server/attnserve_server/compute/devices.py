@@ -44,16 +44,34 @@ FLOAT16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
 BFLOAT16_FLAG_SETS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
+def _first_cpu(path: str) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                name, _, value = line.partition(":")
+                fields[name.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
+    return frozenset(_first_cpu(path).get("flags", "").split())
+
+
+def cpu_family(path: str = "/proc/cpuinfo") -> tuple[str, int] | None:
+    """The CPU's vendor and family as Linux lists them, e.g. ("AuthenticAMD", 23) for AMD's Zen to Zen 2
+    (25 is Zen 3 and Zen 4); None where there is no /proc/cpuinfo or it names neither."""
+    fields = _first_cpu(path)
+    vendor, family = fields.get("vendor_id"), fields.get("cpu family", "")
+    return (vendor, int(family)) if vendor and family.isdigit() else None
 
 
 def float16_is_slow(flags: frozenset[str]) -> bool:
