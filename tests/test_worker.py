@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import platform
@@ -470,7 +471,12 @@ def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytes
     ],
 )
 def test_auto_bounds_the_fused_kernel_as_measured_on_each_cpu(
-    monkeypatch: pytest.MonkeyPatch, family: tuple[str, int] | None, capability: str, bound: str, cut: bool
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    family: tuple[str, int] | None,
+    capability: str,
+    bound: str,
+    cut: bool,
 ) -> None:
     """`cpu_fused_bound: auto` is the batch bound where it was measured to pay (AMD family 23, the Zen 2), the
     bound on each sequence on other AVX2-only CPUs (the Zen 3) and elsewhere (AVX-512, the Zen 4) for sequences
@@ -501,14 +507,20 @@ def test_auto_bounds_the_fused_kernel_as_measured_on_each_cpu(
     assert smallest == [*auto[:3], 8, 2, 1, None, None, 1, auto[3], None, auto[4], None]
     with pytest.raises(ValueError, match="fused_bound: expected one of auto, batch, sequence, got 'x'"):
         AttentionCompute(spec, params, fused_bound="x")
-    # and a model's setting reaches its worker's kernels
-    other = "sequence" if bound == "batch" else "batch"
-    spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",), cpu_fused_bound=other))
-    w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
-    try:
-        assert w._compute.fused_bound == other
-    finally:
-        w.close()
+    # and a model's setting reaches its worker's kernels, which say at start-up what auto came to
+    for setting, said in (
+        ("auto", f"each {bound}" + (", to each batch from 48 M multiply-adds a sequence" if cut else " (")),
+        (other := "sequence" if bound == "batch" else "batch", f"each {other} (cpu_fused_bound: {other})"),
+    ):
+        spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",), cpu_fused_bound=setting))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="attnserve_server.compute.worker"):
+            w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+        try:
+            assert w._compute.fused_bound == (bound if setting == "auto" else other)
+            assert said in caplog.text and f"(cpu_fused_bound: {setting})" in caplog.text
+        finally:
+            w.close()
 
 
 def test_the_cpu_family_and_flags_are_the_first_processors_in_cpuinfo(tmp_path) -> None:

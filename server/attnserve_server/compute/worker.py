@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from attnserve_server.domain import (
 )
 from attnserve_server.errors import DeviceOutOfMemory, WorkerLost
 from attnserve_server.runtime.os_threads import name_os_thread, named_threads
+
+log = logging.getLogger(__name__)
 
 
 def _padded(requests: list[AttentionRequest]) -> tuple[int, int, int]:
@@ -172,6 +175,16 @@ class DeviceWorker:
         )
         on_device = None if params is None else params.to(device, self.dtype)
         self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul, fused_bound=spec.cpu_fused_bound)
+        if device.type == "cpu" and self._compute.fused and self._compute.tiled:
+            max_macs = self._compute.sequence_max_macs
+            log.info(
+                "model %r on the CPU: the fused kernel's 1 MiB bound on scores applies to each %s%s "
+                "(cpu_fused_bound: %s)",
+                spec.name,
+                self._compute.fused_bound,
+                "" if max_macs is None else f", to each batch from {max_macs / 1e6:g} M multiply-adds a sequence",
+                spec.cpu_fused_bound,
+            )
         if self._cuda:
             # The weights and biases were made on the device's default stream; the lanes' streams
             # do not wait for it.
