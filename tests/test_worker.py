@@ -508,9 +508,10 @@ def test_auto_bounds_the_fused_kernel_as_measured_on_each_cpu(
     with pytest.raises(ValueError, match="fused_bound: expected one of auto, batch, sequence, got 'x'"):
         AttentionCompute(spec, params, fused_bound="x")
     # and a model's setting reaches its worker's kernels, which say at start-up what auto came to
+    other = "sequence" if bound == "batch" else "batch"
     for setting, said in (
         ("auto", f"each {bound}" + (", to each batch from 48 M multiply-adds a sequence" if cut else " (")),
-        (other := "sequence" if bound == "batch" else "batch", f"each {other} (cpu_fused_bound: {other})"),
+        (other, f"each {other} (cpu_fused_bound: {other})"),
     ):
         spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",), cpu_fused_bound=setting))
         caplog.clear()
