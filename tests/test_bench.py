@@ -7,9 +7,10 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from attnserve_bench.bench import StartLine, Window, _reap, closed_loop
+from attnserve_bench.bench import StartLine, Window, _paired_cycle_s, _reap, closed_loop
 from attnserve_bench.results import Row, medians
 
 
@@ -182,3 +183,34 @@ def test_a_client_stuck_after_its_results_is_killed_and_the_measurement_kept(
     _reap([done, stuck], grace_s=0.5)
     assert (done.exitcode, stuck.exitcode) == (0, -9)
     assert f"client process {stuck.pid} had not exited 0.5 s after its results: killed" in capsys.readouterr().err
+
+
+def test_the_in_process_pairing_ends_both_runners_on_the_same_cycle() -> None:
+    """`bench`'s in-process limit with pairing: the first runner decides the last cycle, and the second may
+    look only once the first is already computing its next one. It must then still compute that cycle and
+    meet the first, not leave it waiting at the barrier (bench hung 120 s so in CI; with no work to do, the
+    first runner is always ahead)."""
+    calls = {"shared": 0, "alone": 0}
+
+    class Worker:  # two runners: this thread is the first, the executor's the second
+        executor = ThreadPoolExecutor(1)
+
+        def run_shared(self, batch: list[int]) -> None:
+            calls["shared"] += 1
+
+        def run(self, batch: list[int]) -> None:
+            calls["alone"] += 1
+
+    worker = Worker()
+    try:
+        for _ in range(50):
+            calls.update(shared=0, alone=0)
+            measured = threading.Thread(
+                target=_paired_cycle_s, args=(worker, [[1, 2], [3, 4], [5, 6]], 0.0), daemon=True
+            )
+            measured.start()
+            measured.join(10)
+            assert not measured.is_alive(), "the first runner waits at the barrier for a second that has left"
+            assert calls["shared"] == calls["alone"] >= 3 * 7  # every cycle's halves, on both runners
+    finally:
+        Worker.executor.shutdown(wait=False)

@@ -753,17 +753,21 @@ def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> floa
     runner's thread; the second runner computes the other halves, and the two meet after every cycle."""
     halves = ([b[: len(b) // 2] for b in cycle], [b[len(b) // 2 :] for b in cycle])
     both = threading.Barrier(2, timeout=120)
-    stop = threading.Event()
+    # The cycle after which both stop, set by the first runner before its last wait. The second reads it
+    # against its own count: by the time it does, the first may already be in the next cycle.
+    last_cycle = [-1]
 
     def partner() -> None:  # the second runner's lane computes on its share of the threads by itself
         try:
             both.wait()
+            cycle_no = 0
             while True:
                 for batch in halves[1]:
                     worker.run(batch)
                 both.wait()
-                if stop.is_set():
+                if last_cycle[0] == cycle_no:
                     return
+                cycle_no += 1
         except BaseException:
             both.abort()
             raise
@@ -779,7 +783,7 @@ def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> floa
                 worker.run_shared(batch)
             done = len(times) >= warm + 5 and time.perf_counter() - start >= seconds
             if done:
-                stop.set()
+                last_cycle[0] = len(times)  # this cycle's number: one time is appended a cycle
             both.wait()  # the other halves are done too
             now = time.perf_counter()
             times.append(now - last)
