@@ -788,6 +788,45 @@ class LosingWorker(DeviceWorker):
         return super().run(requests)
 
 
+class GatedWorker(DeviceWorker):
+    """Holds a batch with a query whose first element is 4321 until the test opens `gate`."""
+
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def run(self, requests):
+        if any(np.frombuffer(r.query.data, dtype="<f4", count=1)[0] == 4321.0 for r in requests):
+            GatedWorker.entered.set()
+            assert GatedWorker.gate.wait(60), "the test never opened the gate"
+        return super().run(requests)
+
+
+def test_a_request_refused_while_the_server_drains_names_its_model_and_counts_as_a_drop() -> None:
+    # With edge processes the edge refused it from the engine's board, in the batcher's words and
+    # without the model's name; in one process the model refused it and no drop was counted.
+    GatedWorker.entered.clear()
+    GatedWorker.gate.clear()
+    with (
+        running(settings(model(embed_dim=E, num_heads=4), solo_macs=0), worker_factory=GatedWorker) as handle,
+        Client(handle.target, timeout_s=30, retries=False) as c,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        try:
+            held = pool.submit(c.attend, np.full((3, E), 4321.0, np.float32))
+            assert GatedWorker.entered.wait(30)
+            stopping = pool.submit(handle.call, handle.server.stop(30))  # drains: waits for the held batch
+            handle.wait_for(lambda: c.health() == "NOT_SERVING")
+            with pytest.raises(AttnServeError) as refused:
+                c.attend(x(3, E))
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "model 'default': the server is shutting down" in refused.value.message, refused.value.message
+            assert handle.sample("attnserve_dropped_requests_total", model="default", reason="shutting_down") == 1
+        finally:
+            GatedWorker.gate.set()
+        assert held.result(30).output.shape == (3, E)  # what was accepted is answered
+        assert stopping.result(30) is True
+
+
 def test_a_worker_whose_device_is_lost_fails_the_server_which_answers_unavailable_and_reports_not_serving() -> None:
     tc = pytest.importorskip("tritonclient.grpc")
     with running(settings(model(embed_dim=E, num_heads=4)), worker_factory=LosingWorker) as handle:

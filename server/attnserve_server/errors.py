@@ -63,6 +63,12 @@ class DeadlineExpired(ServingError):
 class ShuttingDown(ServingError):
     status = "UNAVAILABLE"
 
+    @classmethod
+    def of_model(cls, name: str) -> ShuttingDown:
+        """A model's refusal of a new request while the server drains, in the same words whichever
+        process refuses it (the model in one process, an edge process reading the engine's board)."""
+        return cls(f"model {name!r}: the server is shutting down and takes no new requests")
+
 
 class ModelNotReady(ServingError):
     status = "UNAVAILABLE"

@@ -313,8 +313,11 @@ class ServedModel:
         return self.metrics.stats
 
     def _unready(self) -> ServingError:
+        """Why a request is refused before it reaches the batcher (called once a request): while the
+        server drains, a drop counted as the batcher counts its own refusals."""
         if self._draining:
-            return ShuttingDown(f"model {self.spec.name!r}: the server is shutting down and takes no new requests")
+            self.metrics.dropped("shutting_down")
+            return ShuttingDown.of_model(self.spec.name)
         return ModelNotReady(f"model {self.spec.name!r} is not ready yet")
 
     async def drain(self, timeout_s: float) -> bool:

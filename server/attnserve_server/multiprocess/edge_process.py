@@ -28,7 +28,7 @@ from attnserve_server.domain import Answer, AttentionRequest, BatchReport, Model
 from attnserve_server.edge.front import GrpcFront, set_health
 from attnserve_server.edge.health import NOT_SERVING, SERVING, HealthServicer
 from attnserve_server.edge.shared_memory import SharedMemoryRegistry
-from attnserve_server.errors import ConfigError, ServingError
+from attnserve_server.errors import ConfigError, ServingError, ShuttingDown
 from attnserve_server.metrics import InferenceStats, Metrics, ModelMetrics
 from attnserve_server.multiprocess import link
 from attnserve_server.runtime import pyheap
@@ -281,8 +281,10 @@ class RemoteModel:
         self._engine.check()
         refused = refusal(self._limits, *self._board.read(self._index))
         if refused is not None:
-            self.metrics.dropped(refused[0])
-            raise refused[1]
+            reason, error = refused
+            self.metrics.dropped(reason)
+            # the batcher knows no model's name: a drain's refusal reads as the model's own in one process
+            raise ShuttingDown.of_model(self.spec.name) if reason == "shutting_down" else error
 
     async def submit(self, request: AttentionRequest, deadline: float | None = None, *, expire: bool = True) -> Answer:
         return await self._engine.submit(self.spec, request, deadline, expire)
