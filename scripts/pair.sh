@@ -13,7 +13,9 @@
 #        PEER_A (inline, batcher or echo: arm A is that peer server of ../shared/peers instead, the same
 #        shape on 2 intra-op threads, after ../shared/peers/setup.sh; A and ARGS_A then do not apply)
 #        PRE_C (a concurrency: each arm first runs a window at it, not counted, right before its measured
-#        one: what a server carries from one load into the next, as compare.sh's c=1 before its c=8)
+#        one: what a server carries from one load into the next, as compare.sh's c=1 before its c=8),
+#        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query: cross attention's
+#        query and key_value, say; attnserve arms only)
 # e.g. B="OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000" C=1 L=256 scripts/pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=$(mktemp -d)
 L=${L:-64} E=${E:-256} H=${H:-8}
 scripts/perf_analyzer.sh --setup >/dev/null
-write_query "$OUT/query.json" "$L" "$E"
+if [ -n "${INPUT_DATA:-}" ]; then cp "$INPUT_DATA" "$OUT/query.json"; else write_query "$OUT/query.json" "$L" "$E"; fi
 PORT_A=$(free_port)
 PORT_B=$(free_port)
 if [ -n "${PEER_A:-}" ]; then
