@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from attnserve_server.compute import attention
+from attnserve_server.compute import attention, linear
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.devices import cpu_family, cpu_flags
 from attnserve_server.compute.groups import length_groups
@@ -402,6 +402,7 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
 ) -> None:
     if path == "tiled":  # every CPU batch that returns no weights takes the tiled path
         monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
+    monkeypatch.setattr(linear, "ONEDNN_MIN_ROWS", 1)  # "on oneDNN": these 21 rows too
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
     matmul = "onednn" if path == "tiled on oneDNN" else "aten"
@@ -420,6 +421,37 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
         torch.testing.assert_close(w1, w2, atol=1e-5, rtol=1e-5)
     else:
         assert w1 is None and w2 is None
+
+
+@pytest.mark.parametrize("matmul", ["onednn", "aten"])
+@pytest.mark.parametrize("pair", ["key_value", "key and value"])
+@pytest.mark.parametrize("weights", ["none", "averaged"])
+def test_cross_attention_matches_torchs_module(matmul: str, pair: str, weights: str) -> None:
+    """The explicit path, one X' for keys and values (projected by [W_K; W_V] at once) or a key and a value
+    of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's."""
+    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
+    params = random_projections(spec, 3)
+    compute = AttentionCompute(spec, params, cpu_matmul=matmul)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(params.packed)
+        mha.in_proj_bias.copy_(params.packed_bias)
+        mha.out_proj.weight.copy_(params.out_weight)
+        mha.out_proj.bias.copy_(params.out_bias)
+    g = torch.Generator().manual_seed(1)
+    x, kv = torch.randn(3, 40, 32, generator=g), torch.randn(3, 70, 32, generator=g)  # 120 and 210 rows
+    key, value = (kv, kv) if pair == "key_value" else (kv, torch.randn(3, 70, 32, generator=g))
+    padding = torch.arange(70)[None, :] >= torch.tensor([70, 33, 1])[:, None]
+    need = weights != "none"
+    with torch.inference_mode():
+        y, w = compute(x, key, value, padding, False, need, True)
+        expected, expected_w = mha(x, key, value, key_padding_mask=padding, need_weights=need)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
+    if need:
+        torch.testing.assert_close(w, expected_w, atol=1e-6, rtol=1e-4)
+    if matmul == "onednn" and linear._onednn_ops() is not None:
+        projection = compute._kv if pair == "key_value" else compute._k
+        assert projection is not None and projection._packed is not None  # the product that ran was oneDNN's
 
 
 @pytest.mark.parametrize("bound", ["batch", "sequence"])

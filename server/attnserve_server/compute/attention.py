@@ -7,8 +7,9 @@ holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked b
 each small sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
 tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into torch), which
 never holds a whole batch's scores. Cross attention, the bare operation and odd head counts take the explicit
-path below, as torch's module does. On the CPU the tiled and explicit paths' projections multiply on oneDNN
-(compute/linear.py); the fused kernel multiplies with torch's own products inside.
+path below, as torch's module does; one X' (key_value) projects to keys and values in one product. On the
+CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused kernel
+multiplies with torch's own products inside.
 """
 
 from __future__ import annotations
@@ -121,11 +122,14 @@ class AttentionCompute:
             self._qkv_bias = p.packed_bias if p.packed_bias is not None else zeros(3 * e)
             self._out_bias = p.out_bias if p.out_bias is not None else zeros(e)
         self._causal: dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor] = {}
-        self._in = self._q = self._k = self._v = self._out = None
+        self._in = self._kv = self._q = self._k = self._v = self._out = None
         if params is not None:
             p = params
             if p.packed is not None:
+                e = spec.embed_dim
                 self._in = Linear(p.packed, p.packed_bias, cpu_matmul)
+                # [W_K; W_V]: one X' (key_value) projects to both keys and values in one product
+                self._kv = Linear(p.packed[e:], None if p.packed_bias is None else p.packed_bias[e:], cpu_matmul)
             self._q = Linear(p.q_weight, p.q_bias, cpu_matmul)
             self._k = Linear(p.k_weight, p.k_bias, cpu_matmul)
             self._v = Linear(p.v_weight, p.v_bias, cpu_matmul)
@@ -202,6 +206,9 @@ class AttentionCompute:
             return query, key, value
         if key is None and self._in is not None:
             return self._in(query).chunk(3, dim=-1)
+        if key is not None and key is value and self._kv is not None:
+            k, v = self._kv(key).chunk(2, dim=-1)
+            return self._q(query), k, v  # type: ignore[misc]
         key = query if key is None else key
         value = query if value is None else value
         return self._q(query), self._k(key), self._v(value)  # type: ignore[misc]

@@ -46,8 +46,9 @@ class Linear:
     """y = x W^T + b over the last dimension of x, as `F.linear`.
 
     On the CPU with `onednn` the weight is packed at the first product (the worker's warm-up, for the
-    projections every request uses; the first cross-attention request for W_Q, W_K, W_V apart from
-    their packed [W_Q; W_K; W_V]), so a model holds the packed copies it computes with, no others."""
+    projections every request uses; the first cross-attention request for W_Q and [W_K; W_V], or W_K and
+    W_V apart where a request sends a key and a value of its own), so a model holds the packed copies
+    it computes with, no others."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cpu_matmul: str = "onednn") -> None:
         if cpu_matmul not in CPU_MATMULS:
@@ -87,7 +88,6 @@ class Linear:
         packed = self._packed if self._packed is not None else self._pack()
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        # The op takes a matrix: fold the leading dimensions (a copy only where x is not contiguous).
-        flat = x.reshape(-1, x.shape[-1])
-        y = self._ops[1](flat, packed, self.bias, "none", [], "")  # type: ignore[index, operator]
-        return y.view(*x.shape[:-1], self.out_features)
+        # One call into torch, as F.linear's: the op folds x's leading dimensions and unfolds the result's
+        # itself (a copy only where x is not contiguous). Each call gives up the GIL and must take it back.
+        return self._ops[1](x, packed, self.bias, "none", [], "")  # type: ignore[index, operator]
