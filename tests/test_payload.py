@@ -329,10 +329,42 @@ def test_a_parser_stops_remembering_heads_that_never_repeat_for_a_while() -> Non
         return v2.ModelInferRequest(model_name="m", id=request_id, raw_input_contents=[b"abc"]).SerializeToString()
 
     assert parser(request("a")).repeat is not None and parser(request("b")).repeat is not None
-    assert parser(request("c")).repeat is not None  # "a" and "b" forgotten unused: two in a row...
-    assert [parser(request(i)).repeat for i in "def"] == [None] * 3  # ...so three are parsed plainly
-    first = parser(request("g"))
-    assert first.repeat is not None and parser(request("g")).repeat is first.repeat  # and it tries again
+    assert parser(request("c")).repeat is not None  # "a" forgotten unused (two heads at most)...
+    assert parser(request("d")).repeat is not None  # ...and "b": two in a row...
+    assert [parser(request(i)).repeat for i in "efg"] == [None] * 3  # ...so three are parsed plainly
+    first = parser(request("h"))
+    assert first.repeat is not None and parser(request("h")).repeat is first.repeat  # and it tries again
+
+
+def test_a_head_whose_parameters_come_in_either_order_is_remembered_both_ways() -> None:
+    """C++ and Go protobuf serialize a map in no fixed order: perf_analyzer sent its two parameters
+    (causal and its own triton_enable_empty_final_response) in either order, request by request."""
+    parser = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)
+
+    def parameter(name: str) -> bytes:
+        msg = v2.ModelInferRequest()
+        msg.parameters[name].bool_param = True
+        return msg.SerializeToString()
+
+    def request(names: tuple[str, str], fill: bytes) -> bytes:
+        contents = v2.ModelInferRequest(raw_input_contents=[fill * 48]).SerializeToString()
+        return _head(3) + parameter(names[0]) + parameter(names[1]) + contents
+
+    orders = [("causal", "triton_enable_empty_final_response"), ("triton_enable_empty_final_response", "causal")]
+    first = [parser(request(order, b"a")) for order in orders]
+    assert len(request(orders[0], b"a")) == len(request(orders[1], b"a"))  # one length, two heads
+    for i in range(6):
+        data = request(orders[i % 2], bytes([i]))
+        got = parser(data)
+        assert got.repeat is first[i % 2].repeat and got.message is first[i % 2].message  # not parsed again
+        assert _rebuilt(got) == v2.ModelInferRequest.FromString(data)
+    assert first[0].repeat.hits == first[1].repeat.hits == 3
+
+    few = payload.Parser(v2.ModelInferRequest, kserve.TENSOR_FIELDS)  # past HEADS_PER_LENGTH heads of one length
+    names = [(f"p{i}", "causal") for i in range(payload.HEADS_PER_LENGTH + 1)]
+    heads = [few(request(pair, b"x")).repeat for pair in names]
+    assert few(request(names[1], b"y")).repeat is heads[1]  # still kept
+    assert few(request(names[0], b"y")).repeat is not heads[0]  # the oldest of that length, forgotten
 
 
 def test_requests_with_their_own_ids_share_a_head_and_keep_their_ids() -> None:

@@ -367,6 +367,11 @@ def parse(cls, data: bytes, fields: Fields) -> Received:
 
 
 _WITH_IDS = 4  # heads with an id a Parser tries whatever the message's length
+# Heads of one message length a Parser keeps. One head can come in several byte orders: a map's entries
+# (KServe's parameters) serialize in the order of the sender's map, which C++ and Go protobuf do not fix,
+# so perf_analyzer's two parameters (`causal` and its own triton_enable_empty_final_response) came in
+# either order from one request to the next, and one head a length missed every other request.
+HEADS_PER_LENGTH = 8
 # The most a remembered head may hold (its bytes and its message): a request's names, shapes and
 # parameters take a few hundred; a larger one (typed contents beside a raw entry, unknown fields) is
 # parsed as `parse` does and not kept, so `capacity` heads cannot pin `capacity` large messages.
@@ -380,8 +385,8 @@ MAX_ID_CHARS = 16 << 10
 
 class Parser(Generic[M]):
     """`parse` for one request type, with the heads it has seen remembered (the module's note):
-    up to `capacity` heads, one per message length, the oldest forgotten first. Runs on one thread
-    (the event loop's).
+    up to `capacity` heads, at most HEADS_PER_LENGTH of one message length, the oldest forgotten
+    first. Runs on one thread (the event loop's).
 
     Remembering a head costs a scan of the message in Python (~5 µs for a W1 request). Where heads do
     not repeat (every request of another shape, say) that is all it costs, so after
@@ -398,7 +403,8 @@ class Parser(Generic[M]):
         self._request_id = None if request_id is None else cls.DESCRIPTOR.fields_by_name[request_id].number  # type: ignore[attr-defined]
         self._capacity = capacity
         self._back_off = back_off
-        self._by_size: dict[int, Repeat] = {}  # one head per message length: the latest
+        self._heads: dict[Repeat, int] = {}  # every head kept, oldest first: its message length
+        self._by_size: dict[int, list[Repeat]] = {}  # the heads kept by message length, latest first
         self._with_ids: list[Repeat] = []  # heads with an id, latest first: tried when an id's length differs
         self._unused = 0  # heads forgotten in a row without a repeat
         self._plain = 0  # messages still to parse without remembering their heads
@@ -416,11 +422,14 @@ class Parser(Generic[M]):
         return received
 
     def _read(self, data: bytes) -> Received[M]:
-        sized = repeat = self._by_size.get(len(data))
-        got = None if sized is None else sized.match(data)
+        sized = self._by_size.get(len(data), ())
+        got = repeat = None
+        for repeat in sized:
+            if (got := repeat.match(data)) is not None:
+                break
         if got is None:
-            for repeat in self._with_ids:  # the head of this length, if it has an id, was tried above
-                if repeat is not sized and (got := repeat.match(data)) is not None:
+            for repeat in self._with_ids:  # the heads of this length, with an id or not, were tried above
+                if repeat not in sized and (got := repeat.match(data)) is not None:
                     break
         if got is not None:
             repeat.hits += 1  # type: ignore[union-attr]
@@ -440,14 +449,28 @@ class Parser(Generic[M]):
             return Received(self._cls.FromString(rest), _views(data, holes))
         named = None if request_id is None else (self._request_id_name, *request_id)
         repeat = Repeat(data, holes, self._cls.FromString(rest), named)  # type: ignore[arg-type]
-        forgotten = self._by_size.get(len(data))
-        if forgotten is None and len(self._by_size) >= self._capacity:
-            forgotten = self._by_size.pop(next(iter(self._by_size)))
-        if forgotten is not None and not forgotten.hits:
-            self._unused += 1
-            if self._unused >= self._capacity:
-                self._unused, self._plain = 0, self._back_off
-        self._by_size[len(data)] = repeat
+        self._keep(repeat, len(data))
         if request_id is not None:
             self._with_ids = [repeat, *self._with_ids[: _WITH_IDS - 1]]
         return Received(repeat.message, _views(data, holes), repeat)
+
+    def _keep(self, repeat: Repeat, size: int) -> None:
+        """Keeps a new head of a message of `size` bytes, forgetting the oldest of that length or of all."""
+        sized = self._by_size.get(size, ())
+        forgotten = None
+        if len(sized) >= HEADS_PER_LENGTH:
+            forgotten = sized[-1]
+        elif len(self._heads) >= self._capacity:
+            forgotten = next(iter(self._heads))
+        if forgotten is not None:
+            length = self._heads.pop(forgotten)
+            kept = self._by_size[length]
+            kept.remove(forgotten)
+            if not kept:
+                del self._by_size[length]
+            if not forgotten.hits:
+                self._unused += 1
+                if self._unused >= self._capacity:
+                    self._unused, self._plain = 0, self._back_off
+        self._by_size.setdefault(size, []).insert(0, repeat)
+        self._heads[repeat] = size
