@@ -426,12 +426,15 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
 @pytest.mark.parametrize("matmul", ["onednn", "aten"])
 @pytest.mark.parametrize("pair", ["key_value", "key and value"])
 @pytest.mark.parametrize("weights", ["none", "averaged"])
-def test_cross_attention_matches_torchs_module(matmul: str, pair: str, weights: str) -> None:
+def test_cross_attention_matches_torchs_module(
+    matmul: str, pair: str, weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The explicit path, one X' for keys and values (projected by [W_K; W_V] at once) or a key and a value
     of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's."""
     spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
     params = random_projections(spec, 3)
     compute = AttentionCompute(spec, params, cpu_matmul=matmul)
+    monkeypatch.setattr(attention, "_NATIVE_MHA", None)  # a query of another length: never the fused kernel
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
     with torch.no_grad():
         mha.in_proj_weight.copy_(params.packed)
@@ -452,6 +455,47 @@ def test_cross_attention_matches_torchs_module(matmul: str, pair: str, weights: 
     if matmul == "onednn" and linear._onednn_ops() is not None:
         projection = compute._kv if pair == "key_value" else compute._k
         assert projection is not None and projection._packed is not None  # the product that ran was oneDNN's
+
+
+@pytest.mark.parametrize("mask", ["none", "padded", "causal"])
+@pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
+def test_cross_attention_as_long_as_the_query_takes_the_fused_kernel_where_it_pays(
+    mask: str, weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One X' (key_value) of the query's length: on the CPU torch's fused kernel computes it, unmasked or
+    with weights, as it would self attention; a masked batch without weights takes the explicit path. Either
+    way torch.nn.MultiheadAttention's answer."""
+    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
+    params = random_projections(spec, 5)
+    compute = AttentionCompute(spec, params)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(params.packed)
+        mha.in_proj_bias.copy_(params.packed_bias)
+        mha.out_proj.weight.copy_(params.out_weight)
+        mha.out_proj.bias.copy_(params.out_bias)
+    calls = []
+    native = attention._NATIVE_MHA
+    monkeypatch.setattr(attention, "_NATIVE_MHA", lambda *args: calls.append(1) or native(*args))
+    g = torch.Generator().manual_seed(2)
+    x, kv = torch.randn(3, 20, 32, generator=g), torch.randn(3, 20, 32, generator=g)
+    padding = (torch.arange(20)[None, :] >= torch.tensor([20, 9, 1])[:, None]) if mask == "padded" else None
+    causal = mask == "causal"
+    need, average = weights != "none", weights == "averaged"
+    with torch.inference_mode():
+        y, w = compute(x, kv, kv, padding, causal, need, average)
+        attn_mask = torch.ones(20, 20, dtype=torch.bool).triu(1) if causal else None
+        expected, expected_w = mha(
+            x, kv, kv, key_padding_mask=padding, attn_mask=attn_mask, need_weights=need, average_attn_weights=average
+        )
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
+    if need:
+        torch.testing.assert_close(w, expected_w, atol=1e-6, rtol=1e-4)
+    assert len(calls) == (1 if need or mask == "none" else 0)
+    with torch.inference_mode():  # another length, or a key and a value apart: the explicit path
+        compute(x, kv[:, :19], kv[:, :19], None, False, need, average)
+        compute(x, kv, kv.clone(), None, False, need, average)
+    assert len(calls) == (1 if need or mask == "none" else 0)
 
 
 @pytest.mark.parametrize("bound", ["batch", "sequence"])

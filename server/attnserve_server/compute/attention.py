@@ -7,9 +7,10 @@ holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked b
 each small sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
 tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into torch), which
 never holds a whole batch's scores. Cross attention, the bare operation and odd head counts take the explicit
-path below, as torch's module does; one X' (key_value) projects to keys and values in one product. On the
-CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused kernel
-multiplies with torch's own products inside.
+path below, as torch's module does (but on the CPU the fused op takes one X', key_value, as long as the query:
+`_fused_takes`); there one X' projects to keys and values in one product. On the CPU the tiled and explicit
+paths' projections multiply on oneDNN (compute/linear.py); the fused kernel multiplies with torch's own
+products inside.
 """
 
 from __future__ import annotations
@@ -164,10 +165,20 @@ class AttentionCompute:
             merged = merged + padding.view(n, 1, 1, length).expand(-1, self.heads, -1, -1)
         return merged, 2
 
+    def _fused_takes(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> bool:
+        """Whether torch's fused kernel computes these inputs: self attention, or on the CPU one X' (key_value)
+        as long as the query, which it projects by W_Q and by [W_K; W_V] apart. Under load it serves that
+        cross attention 1.27x what the explicit path's dozen calls into torch do (BENCHMARKS.md, sixty-sixth
+        pass); other lengths it refuses, and CUDA keeps the explicit path's SDPA kernels."""
+        if key is None:
+            return True
+        return key is value and query.device.type == "cpu" and key.shape[1] == query.shape[1]
+
     def _fused_pays(
         self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool, need_weights: bool
     ) -> bool:
-        """Whether a self-attention batch runs faster on the fused kernel than on the tiled path."""
+        """Whether a batch runs faster on the fused kernel than on the tiled path (self attention) or the
+        explicit one (cross attention)."""
         if need_weights or not self.tiled or query.device.type != "cpu":
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
@@ -224,16 +235,18 @@ class AttentionCompute:
         average_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """query [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
-        if self.fused and key is None:
-            if not self._fused_pays(query, key_padding, causal, need_weights):
+        if self.fused and self._fused_takes(query, key, value):
+            if self._fused_pays(query, key_padding, causal, need_weights):
+                p = self.params
+                mask, mask_type = self._fused_mask(key_padding, causal, query)
+                kv = query if key is None else key
+                y, w = _NATIVE_MHA(  # type: ignore[misc]
+                    query, kv, kv, self.spec.embed_dim, self.heads, p.packed, self._qkv_bias,  # type: ignore[union-attr]
+                    p.out_weight, self._out_bias, mask, need_weights, average_weights, mask_type,  # type: ignore[union-attr]
+                )  # fmt: skip
+                return y, (w if need_weights else None)
+            if key is None:
                 return self._tiled(query, key_padding, causal), None
-            p = self.params
-            mask, mask_type = self._fused_mask(key_padding, causal, query)
-            y, w = _NATIVE_MHA(  # type: ignore[misc]
-                query, query, query, self.spec.embed_dim, self.heads, p.packed, self._qkv_bias,  # type: ignore[union-attr]
-                p.out_weight, self._out_bias, mask, need_weights, average_weights, mask_type,  # type: ignore[union-attr]
-            )  # fmt: skip
-            return y, (w if need_weights else None)
         q, k, v = self._project(query, key, value)
         length = q.shape[1]
         s = k.shape[1]
