@@ -423,6 +423,19 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
         assert w1 is None and w2 is None
 
 
+def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn.MultiheadAttention]:
+    """A CPU model (E=32, 4 heads) of seeded random weights, and torch's module holding the same weights."""
+    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
+    params = random_projections(spec, seed)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(params.packed)
+        mha.in_proj_bias.copy_(params.packed_bias)
+        mha.out_proj.weight.copy_(params.out_weight)
+        mha.out_proj.bias.copy_(params.out_bias)
+    return AttentionCompute(spec, params, **options), mha
+
+
 @pytest.mark.parametrize("matmul", ["onednn", "aten"])
 @pytest.mark.parametrize("pair", ["key_value", "key and value"])
 @pytest.mark.parametrize("weights", ["none", "averaged"])
@@ -431,16 +444,8 @@ def test_cross_attention_matches_torchs_module(
 ) -> None:
     """The explicit path, one X' for keys and values (projected by [W_K; W_V] at once) or a key and a value
     of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's."""
-    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
-    params = random_projections(spec, 3)
-    compute = AttentionCompute(spec, params, cpu_matmul=matmul)
+    compute, mha = compute_and_module(3, cpu_matmul=matmul)
     monkeypatch.setattr(attention, "_NATIVE_MHA", None)  # a query of another length: never the fused kernel
-    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(params.packed)
-        mha.in_proj_bias.copy_(params.packed_bias)
-        mha.out_proj.weight.copy_(params.out_weight)
-        mha.out_proj.bias.copy_(params.out_bias)
     g = torch.Generator().manual_seed(1)
     x, kv = torch.randn(3, 40, 32, generator=g), torch.randn(3, 70, 32, generator=g)  # 120 and 210 rows
     key, value = (kv, kv) if pair == "key_value" else (kv, torch.randn(3, 70, 32, generator=g))
@@ -465,15 +470,7 @@ def test_cross_attention_as_long_as_the_query_takes_the_fused_kernel_where_it_pa
     """One X' (key_value) of the query's length: on the CPU torch's fused kernel computes it, unmasked or
     with weights, as it would self attention; a masked batch without weights takes the explicit path. Either
     way torch.nn.MultiheadAttention's answer."""
-    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
-    params = random_projections(spec, 5)
-    compute = AttentionCompute(spec, params)
-    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(params.packed)
-        mha.in_proj_bias.copy_(params.packed_bias)
-        mha.out_proj.weight.copy_(params.out_weight)
-        mha.out_proj.bias.copy_(params.out_bias)
+    compute, mha = compute_and_module(5)
     calls = []
     native = attention._NATIVE_MHA
     monkeypatch.setattr(attention, "_NATIVE_MHA", lambda *args: calls.append(1) or native(*args))
