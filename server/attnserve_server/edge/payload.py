@@ -403,7 +403,7 @@ class Parser(Generic[M]):
         self._request_id = None if request_id is None else cls.DESCRIPTOR.fields_by_name[request_id].number  # type: ignore[attr-defined]
         self._capacity = capacity
         self._back_off = back_off
-        self._heads: dict[Repeat, int] = {}  # every head kept, oldest first: its message length
+        self._heads: dict[Repeat, None] = {}  # every head kept, oldest first (each knows its message's length)
         self._by_size: dict[int, list[Repeat]] = {}  # the heads kept by message length, latest first
         self._with_ids: list[Repeat] = []  # heads with an id, latest first: tried when an id's length differs
         self._unused = 0  # heads forgotten in a row without a repeat
@@ -449,28 +449,28 @@ class Parser(Generic[M]):
             return Received(self._cls.FromString(rest), _views(data, holes))
         named = None if request_id is None else (self._request_id_name, *request_id)
         repeat = Repeat(data, holes, self._cls.FromString(rest), named)  # type: ignore[arg-type]
-        self._keep(repeat, len(data))
+        self._keep(repeat)
         if request_id is not None:
             self._with_ids = [repeat, *self._with_ids[: _WITH_IDS - 1]]
         return Received(repeat.message, _views(data, holes), repeat)
 
-    def _keep(self, repeat: Repeat, size: int) -> None:
-        """Keeps a new head of a message of `size` bytes, forgetting the oldest of that length or of all."""
-        sized = self._by_size.get(size, ())
+    def _keep(self, repeat: Repeat) -> None:
+        """Keeps a new head, forgetting the oldest of its message length or of all."""
+        sized = self._by_size.get(repeat.size, ())
         forgotten = None
         if len(sized) >= HEADS_PER_LENGTH:
             forgotten = sized[-1]
         elif len(self._heads) >= self._capacity:
             forgotten = next(iter(self._heads))
         if forgotten is not None:
-            length = self._heads.pop(forgotten)
-            kept = self._by_size[length]
+            del self._heads[forgotten]
+            kept = self._by_size[forgotten.size]
             kept.remove(forgotten)
             if not kept:
-                del self._by_size[length]
+                del self._by_size[forgotten.size]
             if not forgotten.hits:
                 self._unused += 1
                 if self._unused >= self._capacity:
                     self._unused, self._plain = 0, self._back_off
-        self._by_size.setdefault(size, []).insert(0, repeat)
-        self._heads[repeat] = size
+        self._by_size.setdefault(repeat.size, []).insert(0, repeat)
+        self._heads[repeat] = None
