@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from attnserve_server.compute import attention, linear
+from attnserve_server.compute import attention, linear, scripted
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.devices import cpu_family, cpu_flags
 from attnserve_server.compute.groups import length_groups
@@ -396,17 +396,21 @@ def test_cross_attention_of_far_apart_key_lengths_runs_in_groups_and_answers_as_
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
-@pytest.mark.parametrize("path", ["fused kernel", "tiled", "tiled on oneDNN"])
+@pytest.mark.parametrize(
+    "path", ["fused kernel", "tiled", "tiled on oneDNN", "tiled op by op", "tiled on oneDNN op by op"]
+)
 def test_the_fused_and_tiled_paths_match_the_explicit_path(
     causal: bool, padded: bool, weights: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if path == "tiled":  # every CPU batch that returns no weights takes the tiled path
+    if path.startswith("tiled") and "oneDNN" not in path:  # every CPU batch that returns no weights takes it
         monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)
     monkeypatch.setattr(linear, "ONEDNN_MIN_ROWS", 1)  # "on oneDNN": these 21 rows too
     spec = spec_from_settings(ModelSettings(embed_dim=16, num_heads=2, device=("cpu",)))
     params = random_projections(spec, 0)
-    matmul = "onednn" if path == "tiled on oneDNN" else "aten"
-    fused = AttentionCompute(spec, params, tiled=path != "fused kernel", cpu_matmul=matmul)
+    matmul = "onednn" if "oneDNN" in path else "aten"
+    fused = AttentionCompute(
+        spec, params, tiled=path != "fused kernel", cpu_matmul=matmul, scripted=not path.endswith("op by op")
+    )
     explicit = AttentionCompute(spec, params, fused=False, cpu_matmul="aten")  # torch's own products
     assert fused.fused and not explicit.fused
     x = torch.randn(3, 7, 16)
@@ -421,6 +425,73 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
         torch.testing.assert_close(w1, w2, atol=1e-5, rtol=1e-5)
     else:
         assert w1 is None and w2 is None
+
+
+@pytest.mark.parametrize("mask", ["causal", "padded", "none (a large batch)"])
+def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted function computes the whole batch (projections, attention, the output's projection):
+    nothing of it is called from Python; with `scripted=False`, or where this torch cannot script it, the same
+    answer op by op. Either way torch.nn.MultiheadAttention's answer."""
+    monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)  # a large batch: the tiled path
+    calls = []
+    script = scripted.SCRIPTED
+    assert script is not None  # this torch (the project's floor and up) scripts it
+    monkeypatch.setattr(scripted, "SCRIPTED", lambda *args: calls.append(args) or script(*args))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 20, 32, generator=g)
+    padding = (torch.arange(20)[None, :] >= torch.tensor([20, 9, 1])[:, None]) if mask == "padded" else None
+    causal = mask == "causal"
+    compute, mha = compute_and_module(6)
+    op_by_op, _ = compute_and_module(6, scripted=False)
+    with torch.inference_mode():
+        with monkeypatch.context() as m:  # attention called from Python fails
+            m.setattr(attention.F, "scaled_dot_product_attention", None)
+            y, _ = compute(x, None, None, padding, causal, False, False)
+            assert len(calls) == 1
+            with pytest.raises(TypeError):
+                op_by_op(x, None, None, padding, causal, False, False)
+        y_op_by_op, _ = op_by_op(x, None, None, padding, causal, False, False)
+        attn_mask = torch.ones(20, 20, dtype=torch.bool).triu(1) if causal else None
+        expected, _ = mha(x, x, x, key_padding_mask=padding, attn_mask=attn_mask, need_weights=False)
+    assert len(calls) == 1  # op by op: not scripted
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, y_op_by_op, atol=0, rtol=0)  # the same ops, as written
+    monkeypatch.setattr(scripted, "SCRIPTED", None)  # a torch that cannot script it
+    fallback, _ = compute_and_module(6)
+    assert not fallback.scripted
+    with torch.inference_mode():
+        torch.testing.assert_close(fallback(x, None, None, padding, causal, False, False)[0], y, atol=0, rtol=0)
+
+
+def test_the_scripted_call_hands_back_every_tensor_it_was_given() -> None:
+    """What keeps the call from taking the GIL inside (compute/scripted.py): the list of tensors from Python
+    comes back, holding each of them, so none's last reference but Python's drops inside the call."""
+    assert scripted.SCRIPTED is not None
+    x, w, b, wo = torch.randn(2, 5, 8), torch.randn(24, 8), torch.randn(24), torch.randn(8, 8)
+    with torch.inference_mode():
+        out, given = scripted.SCRIPTED([x, w, b, wo, None, None], 2, True, False, False)
+    assert out.shape == (2, 5, 8)
+    assert len(given) == 6 and all(a is b for a, b in zip(given, [x, w, b, wo, None, None], strict=True))
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_a_cpu_worker_computes_op_by_op_where_asked_or_where_torch_cannot_script_and_says_so(
+    setting: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",), cpu_scripted=setting))
+    for can in (True, False):
+        if not can:
+            monkeypatch.setattr(scripted, "SCRIPTED", None)
+            monkeypatch.setattr(scripted, "UNSCRIPTED", "RuntimeError: no TorchScript here")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="attnserve_server.compute.worker"):
+            w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+        try:
+            assert w._compute.scripted == (setting and can)
+            said = "the tiled path computes op by op, as this torch cannot script it (RuntimeError: no TorchScript"
+            assert (said in caplog.text) == (setting and not can)  # asked for and not had
+        finally:
+            w.close()
 
 
 def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn.MultiheadAttention]:

@@ -66,6 +66,7 @@ def spec_from_settings(
         cuda_graphs=settings.cuda_graphs,
         cpu_matmul=settings.cpu_matmul,
         cpu_fused_bound=settings.cpu_fused_bound,
+        cpu_scripted=settings.cpu_scripted,
         cpu_lanes=settings.cpu_lanes,
         cpu_pair_macs=_pair_macs(settings),
         optional_inputs=optional_inputs_kept(settings),

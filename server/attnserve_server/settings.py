@@ -117,6 +117,9 @@ class ModelSettings:
     # with AVX2 and not AVX-512; elsewhere sequence for sequences of under 48 M multiply-adds, batch for
     # larger): compute/attention.py. Ignored on CUDA.
     cpu_fused_bound: str = "auto"
+    # The CPU's tiled path (masked, causal or large self-attention batches) in one call into torch, a
+    # TorchScript function (compute/scripted.py); false: op by op. Ignored on CUDA.
+    cpu_scripted: bool = True
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
     cpu_lanes: int = 1
@@ -411,6 +414,13 @@ OPTIONS: tuple[Option, ...] = (
         " tiled path), sequence (any batch size), or auto (batch on AMD's family 23, the Zen 2; sequence on other"
         " CPUs where torch computes with AVX2 and not AVX-512; elsewhere sequence for sequences of under 48 M"
         " multiply-adds, batch for larger) (default auto)",
+    ),
+    Option(
+        "cpu-scripted",
+        "model",
+        bool,
+        "the CPU's tiled attention path (masked, causal or large self-attention batches) in one call into torch,"
+        " a TorchScript function, true or false (op by op) (default true)",
     ),
     Option(
         "cpu-lanes",

@@ -5,12 +5,12 @@ own inference fast path calls, so a batch crosses from Python into torch once: e
 from Python gives up the GIL and must take it back, which costs a wait whenever the event loop
 holds it (measured in BENCHMARKS.md). On the CPU that holds for small unmasked batches only (their scores, or
 each small sequence's as `cpu_fused_bound` says, within FUSED_CPU_MAX_SCORE_BYTES): larger or masked ones take the
-tiled path (`_tiled`: scaled_dot_product_attention between the two projections, four calls into torch), which
-never holds a whole batch's scores. Cross attention, the bare operation and odd head counts take the explicit
-path below, as torch's module does (but on the CPU the fused op takes one X', key_value, as long as the query:
-`_fused_takes`); there one X' projects to keys and values in one product. On the CPU the tiled and explicit
-paths' projections multiply on oneDNN (compute/linear.py); the fused kernel multiplies with torch's own
-products inside.
+tiled path (`_tiled`: scaled_dot_product_attention between the two projections, which never holds a whole
+batch's scores; on the CPU one call into torch, compute/scripted.py, elsewhere four). Cross attention, the
+bare operation and odd head counts take the explicit path below, as torch's module does (but on the CPU the
+fused op takes one X', key_value, as long as the query: `_fused_takes`); there one X' projects to keys and
+values in one product. On the CPU the tiled and explicit paths' projections multiply on oneDNN
+(compute/linear.py); the fused kernel multiplies with torch's own products inside.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnserve_server.compute import scripted as scripted_path
 from attnserve_server.compute.devices import cpu_family
 from attnserve_server.compute.linear import Linear
 from attnserve_server.compute.weights import Projections
@@ -98,10 +99,13 @@ class AttentionCompute:
         tiled: bool = True,
         cpu_matmul: str = "onednn",
         fused_bound: str = "auto",
+        scripted: bool = True,
     ) -> None:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
         pays (FUSED_CPU_MAX_SCORE_BYTES, applied as `fused_bound` says), the tiled path otherwise. Tests turn
-        either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py)."""
+        either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py). `scripted`: the
+        CPU's tiled path computes in one call into torch where this torch can script it (compute/scripted.py),
+        else op by op."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
@@ -113,6 +117,7 @@ class AttentionCompute:
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
         self.fused = self.fused and spec.num_heads % 2 == 0
         self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
+        self.scripted = scripted and scripted_path.SCRIPTED is not None
         if fused_bound not in CPU_FUSED_BOUNDS:
             raise ValueError(f"fused_bound: expected one of {', '.join(CPU_FUSED_BOUNDS)}, got {fused_bound!r}")
         self.fused_bound, self.sequence_max_macs = resolve_fused_bound(fused_bound)
@@ -197,16 +202,21 @@ class AttentionCompute:
         return max(1, -(-FUSED_CPU_MAX_SCORE_BYTES // scores))
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Packed self attention on scaled_dot_product_attention, in as few calls into torch as it
-        takes: each call gives up the GIL and must take it back (module docstring)."""
+        """Packed self attention on scaled_dot_product_attention, on the CPU in one call into torch
+        (compute/scripted.py), else in as few as it takes: each call gives up the GIL and must take it
+        back (module docstring)."""
         n, length, e = query.shape
+        mask = None if key_padding is None else visibility_mask(key_padding, causal, length, length, query.device)
+        if self.scripted and query.device.type == "cpu":
+            w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
+            w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
+            b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
+            return scripted_path.tiled(query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal)
         q, k, v = self._in(query).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[misc]
-        if key_padding is None:
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=visibility_mask(key_padding, causal, length, length, q.device)
-            )
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
 
     def _project(

@@ -82,12 +82,19 @@ class Linear:
         """Whether a product of `rows` rows runs on oneDNN (before the first product: where it will)."""
         return self._ops is not None and rows >= ONEDNN_MIN_ROWS
 
+    def operand(self, rows: int) -> tuple[torch.Tensor, bool]:
+        """The weight a product of `rows` rows multiplies by, and whether on oneDNN (then the packed weight,
+        for its `_linear_pointwise` op) or on `F.linear` (the weight as given)."""
+        if self.takes(rows):
+            packed = self._packed if self._packed is not None else self._pack()
+            if packed is not None:
+                return packed, True
+        return self.weight, False
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes(x.numel() // x.shape[-1] if x.shape[-1] else 0):
-            return F.linear(x, self.weight, self.bias)
-        packed = self._packed if self._packed is not None else self._pack()
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
+        weight, onednn = self.operand(x.numel() // x.shape[-1] if x.shape[-1] else 0)
+        if not onednn:
+            return F.linear(x, weight, self.bias)
         # One call into torch, as F.linear's: the op folds x's leading dimensions and unfolds the result's
         # itself (a copy only where x is not contiguous). Each call gives up the GIL and must take it back.
-        return self._ops[1](x, packed, self.bias, "none", [], "")  # type: ignore[index, operator]
+        return self._ops[1](x, weight, self.bias, "none", [], "")  # type: ignore[index, operator]

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from attnserve_server.compute import scripted as scripted_path
 from attnserve_server.compute.attention import AttentionCompute
 from attnserve_server.compute.graphs import GraphedAttention
 from attnserve_server.compute.groups import length_groups
@@ -174,7 +175,9 @@ class DeviceWorker:
             max_workers=self.runners, thread_name_prefix=f"attn-{spec.name}-{device}", initializer=self._start_thread
         )
         on_device = None if params is None else params.to(device, self.dtype)
-        self._compute = AttentionCompute(spec, on_device, cpu_matmul=spec.cpu_matmul, fused_bound=spec.cpu_fused_bound)
+        self._compute = AttentionCompute(
+            spec, on_device, cpu_matmul=spec.cpu_matmul, fused_bound=spec.cpu_fused_bound, scripted=spec.cpu_scripted
+        )
         if device.type == "cpu" and self._compute.fused and self._compute.tiled:
             max_macs = self._compute.sequence_max_macs
             log.info(
@@ -184,6 +187,12 @@ class DeviceWorker:
                 self._compute.fused_bound,
                 "" if max_macs is None else f", to each batch from {max_macs / 1e6:g} M multiply-adds a sequence",
                 spec.cpu_fused_bound,
+            )
+        if device.type == "cpu" and spec.cpu_scripted and not self._compute.scripted:
+            log.warning(
+                "model %r on the CPU: the tiled path computes op by op, as this torch cannot script it (%s)",
+                spec.name,
+                scripted_path.UNSCRIPTED,
             )
         if self._cuda:
             # The weights and biases were made on the device's default stream; the lanes' streams

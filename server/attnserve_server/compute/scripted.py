@@ -1,0 +1,100 @@
+"""The CPU's tiled self attention as one call into torch, and the GIL taken back once a batch.
+
+Under load the event loop holds the GIL most of the time, and a worker thread must take it back after
+every call into torch that gave it up: where the loop is busy (right after a batch, answering it and
+reading the next requests), each such wait lasts until the loop lets go. The fused kernel computes a
+batch in one call, so its worker waits once, at the batch's end, when the loop has gone quiet; the tiled
+path (attention.py: a projection, scaled_dot_product_attention, a projection) called from Python waits
+after each of its calls, in the loop's busy phase. Causal W1 at concurrency 32 (perf_analyzer, AMD EPYC
+Zen 3): the worker computed 99% of the time but ran on a CPU for 66% of it and waited for the GIL
+~18% (BENCHMARKS.md, sixty-seventh pass).
+
+So the tiled path runs as one TorchScript function, which gives up the GIL once for the whole batch.
+That alone is not enough with torch 2.10 and later: a tensor that Python owns keeps its Python object
+alive through C++ references to it, and when such a tensor's last C++ reference but Python's goes, torch
+releases the object, taking the GIL to do so. A scripted function drops each op's arguments after the
+op, so a weight or an input passed in from Python took the GIL inside the call, op after op (py-spy:
+`decref_pyobject` -> `gil_scoped_acquire` under the interpreter), and scripting the path as it was served
+causal W1 0.992x the eager path. Here every tensor from Python travels in one list that the function
+hands back with its result: the list holds a reference to each until the call has returned and the GIL
+is held again. Served causal W1 1.19x the eager path then (in pairs, 4 of 4).
+
+TorchScript is deprecated from torch 2.13 on (`torch.jit.script` warns at every compile; this module
+compiles once, at import, with that warning silenced). Where this torch cannot script the function,
+`SCRIPTED` is None (`UNSCRIPTED` says why, and the worker logs it) and attention.py computes op by op, as it
+does with `cpu_scripted: false`. The scripted function runs as written (`torch.jit.optimized_execution(False)`,
+per thread), so it computes what the eager path computes, op for op, without the profiling executor's
+specialisation by shape.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x W^T + b, on oneDNN with a packed weight (`onednn`) or on torch's F.linear (linear.py)."""
+    if onednn:
+        scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", scalars, "")
+    return F.linear(x, weight, bias)
+
+
+def _tiled(
+    tensors: list[torch.Tensor | None],
+    heads: int,
+    causal: bool,
+    onednn_in: bool,
+    onednn_out: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """tensors: the query [N, L, E], the packed [W_Q; W_K; W_V] and its bias, W_O and its bias, and the
+    visibility mask (None, or bool [N, 1, 1|L, L], True where a query may attend a key). Returns the
+    output [N, L, E], and `tensors` as they came (the module docstring says why)."""
+    x = tensors[0]
+    w_in = tensors[1]
+    w_out = tensors[3]
+    mask = tensors[5]
+    assert x is not None and w_in is not None and w_out is not None
+    n, length, e = x.shape
+    qkv = _linear(x, w_in, tensors[2], onednn_in).view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    if mask is None:
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=causal)
+    else:
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+    return _linear(y.transpose(1, 2).reshape(n, length, e), w_out, tensors[4], onednn_out), tensors
+
+
+def _script() -> tuple[torch.jit.ScriptFunction | None, str | None]:
+    """The scripted `_tiled`, or None and why this torch cannot script it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+            return torch.jit.script(_tiled), None
+    except Exception as exc:  # a torch without TorchScript, or one whose ops' schemas differ
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+# The worker logs UNSCRIPTED at start-up, where it computes op by op for want of SCRIPTED.
+SCRIPTED, UNSCRIPTED = _script()
+
+
+def tiled(
+    query: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    onednn_in: bool,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    onednn_out: bool,
+    mask: torch.Tensor | None,
+    heads: int,
+    causal: bool,
+) -> torch.Tensor:
+    """Packed self attention on the tiled path in one call into torch (SCRIPTED must not be None)."""
+    assert SCRIPTED is not None
+    with torch.jit.optimized_execution(False):
+        out, _ = SCRIPTED([query, w_in, b_in, w_out, b_out, mask], heads, causal, onednn_in, onednn_out)
+    return out
