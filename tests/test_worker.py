@@ -431,7 +431,7 @@ def test_the_fused_and_tiled_paths_match_the_explicit_path(
 def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The scripted function computes the whole batch (projections, attention, the output's projection):
     nothing of it is called from Python; with `scripted=False`, or where this torch cannot script it, the same
-    answer op by op. Either way torch.nn.MultiheadAttention's answer."""
+    answer op by op, as for one sequence alone. Either way torch.nn.MultiheadAttention's answer."""
     monkeypatch.setattr(attention, "FUSED_CPU_MAX_SCORE_BYTES", 0)  # a large batch: the tiled path
     calls = []
     script = scripted.SCRIPTED
@@ -461,6 +461,11 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     assert not fallback.scripted
     with torch.inference_mode():
         torch.testing.assert_close(fallback(x, None, None, padding, causal, False, False)[0], y, atol=0, rtol=0)
+        monkeypatch.setattr(scripted, "SCRIPTED", lambda *args: calls.append(args) or script(*args))
+        one = None if padding is None else padding[1:2]
+        y1, _ = compute(x[1:2], None, None, one, causal, False, False)  # one sequence: op by op
+    assert len(calls) == 1
+    torch.testing.assert_close(y1, y[1:2], atol=1e-5, rtol=1e-4)
 
 
 def test_the_scripted_call_hands_back_every_tensor_it_was_given() -> None:

@@ -9,7 +9,8 @@ after each of its calls, in the loop's busy phase. Causal W1 at concurrency 32 (
 Zen 3): the worker computed 99% of the time but ran on a CPU for 66% of it and waited for the GIL
 ~18% (BENCHMARKS.md, sixty-seventh pass).
 
-So the tiled path runs as one TorchScript function, which gives up the GIL once for the whole batch.
+So the tiled path runs a batch of several sequences as one TorchScript function, which gives up the GIL
+once for the whole batch (one sequence computes op by op: attention.py says why).
 That alone is not enough with torch 2.10 and later: a tensor that Python owns keeps its Python object
 alive through C++ references to it, and when such a tensor's last C++ reference but Python's goes, torch
 releases the object, taking the GIL to do so. A scripted function drops each op's arguments after the
