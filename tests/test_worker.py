@@ -436,7 +436,8 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     calls = []
     script = scripted.SCRIPTED
     assert script is not None  # this torch (the project's floor and up) scripts it
-    monkeypatch.setattr(scripted, "SCRIPTED", lambda *args: calls.append(args) or script(*args))
+    counted = (lambda *args: calls.append(args) or script[0](*args), script[1])
+    monkeypatch.setattr(scripted, "SCRIPTED", counted)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 20, 32, generator=g)
     padding = (torch.arange(20)[None, :] >= torch.tensor([20, 9, 1])[:, None]) if mask == "padded" else None
@@ -461,7 +462,7 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     assert not fallback.scripted
     with torch.inference_mode():
         torch.testing.assert_close(fallback(x, None, None, padding, causal, False, False)[0], y, atol=0, rtol=0)
-        monkeypatch.setattr(scripted, "SCRIPTED", lambda *args: calls.append(args) or script(*args))
+        monkeypatch.setattr(scripted, "SCRIPTED", counted)
         one = None if padding is None else padding[1:2]
         y1, _ = compute(x[1:2], None, None, one, causal, False, False)  # one sequence: op by op
     assert len(calls) == 1
@@ -474,7 +475,7 @@ def test_the_scripted_call_hands_back_every_tensor_it_was_given() -> None:
     assert scripted.SCRIPTED is not None
     x, w, b, wo = torch.randn(2, 5, 8), torch.randn(24, 8), torch.randn(24), torch.randn(8, 8)
     with torch.inference_mode():
-        out, given = scripted.SCRIPTED([x, w, b, wo, None, None], 2, True, False, False)
+        out, given = scripted.SCRIPTED[0]([x, w, b, wo, None, None], 2, True, False, False)
     assert out.shape == (2, 5, 8)
     assert len(given) == 6 and all(a is b for a, b in zip(given, [x, w, b, wo, None, None], strict=True))
 
@@ -499,6 +500,44 @@ def test_a_cpu_worker_computes_op_by_op_where_asked_or_where_torch_cannot_script
             w.close()
 
 
+@pytest.mark.parametrize("inputs", ["key_value", "key and value", "bare operation", "odd heads"])
+@pytest.mark.parametrize("mask", ["none", "padded", "causal"])
+def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
+    inputs: str, mask: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without weights the explicit path (cross attention of other lengths, the bare operation, self attention
+    where the fused kernel cannot run) computes a batch in one scripted call, with the answer op by op gives."""
+    monkeypatch.setattr(linear, "ONEDNN_MIN_ROWS", 1)  # oneDNN's products where this CPU has them
+    calls = []
+    script = scripted.SCRIPTED
+    assert script is not None
+    monkeypatch.setattr(scripted, "SCRIPTED", (script[0], lambda *args: calls.append(args) or script[1](*args)))
+    heads = 3 if inputs == "odd heads" else 4  # the fused kernel takes an even count only
+    kind = "sdpa" if inputs == "bare operation" else "mha"
+    spec = spec_from_settings(ModelSettings(kind=kind, embed_dim=24, num_heads=heads, device=("cpu",)))
+    params = None if kind == "sdpa" else random_projections(spec, 7)
+    one_call = AttentionCompute(spec, params)
+    op_by_op = AttentionCompute(spec, params, scripted=False)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 10, 24, generator=g)
+    s = 10 if inputs == "odd heads" else 13
+    key = None if inputs == "odd heads" else torch.randn(3, s, 24, generator=g)
+    value = key if inputs == "key_value" else None if key is None else torch.randn(3, s, 24, generator=g)
+    padding = (torch.arange(s)[None, :] >= torch.tensor([s, 5, 1])[:, None]) if mask == "padded" else None
+    causal = mask == "causal"
+    with torch.inference_mode():
+        with monkeypatch.context() as m:  # attention called from Python fails
+            m.setattr(attention.F, "scaled_dot_product_attention", None)
+            y, _ = one_call(x, key, value, padding, causal, False, False)
+        expected, _ = op_by_op(x, key, value, padding, causal, False, False)
+        one_call(x, key, value, padding, causal, True, False)  # weights: op by op
+        one_call(
+            x[:1], key if key is None else key[:1], value if value is None else value[:1], None, causal, False, False
+        )
+    assert len(calls) == 1
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
+
+
 def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn.MultiheadAttention]:
     """A CPU model (E=32, 4 heads) of seeded random weights, and torch's module holding the same weights."""
     spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
@@ -515,12 +554,14 @@ def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn
 @pytest.mark.parametrize("matmul", ["onednn", "aten"])
 @pytest.mark.parametrize("pair", ["key_value", "key and value"])
 @pytest.mark.parametrize("weights", ["none", "averaged"])
+@pytest.mark.parametrize("calls", ["one call", "op by op"])
 def test_cross_attention_matches_torchs_module(
-    matmul: str, pair: str, weights: str, monkeypatch: pytest.MonkeyPatch
+    matmul: str, pair: str, weights: str, calls: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The explicit path, one X' for keys and values (projected by [W_K; W_V] at once) or a key and a value
-    of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's."""
-    compute, mha = compute_and_module(3, cpu_matmul=matmul)
+    of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's,
+    in one call into torch (without weights: compute/scripted.py) or op by op."""
+    compute, mha = compute_and_module(3, cpu_matmul=matmul, scripted=calls == "one call")
     monkeypatch.setattr(attention, "_NATIVE_MHA", None)  # a query of another length: never the fused kernel
     g = torch.Generator().manual_seed(1)
     x, kv = torch.randn(3, 40, 32, generator=g), torch.randn(3, 70, 32, generator=g)  # 120 and 210 rows

@@ -9,8 +9,9 @@ tiled path (`_tiled`: scaled_dot_product_attention between the two projections, 
 batch's scores; on the CPU one call into torch, compute/scripted.py, elsewhere four). Cross attention, the
 bare operation and odd head counts take the explicit path below, as torch's module does (but on the CPU the
 fused op takes one X', key_value, as long as the query: `_fused_takes`); there one X' projects to keys and
-values in one product. On the CPU the tiled and explicit paths' projections multiply on oneDNN
-(compute/linear.py); the fused kernel multiplies with torch's own products inside.
+values in one product, and on the CPU a batch without weights computes in one call into torch as well. On the
+CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused kernel
+multiplies with torch's own products inside.
 """
 
 from __future__ import annotations
@@ -220,6 +221,48 @@ class AttentionCompute:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
 
+    def _explicit_scripted(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        key_padding: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """The explicit path without weights in one call into torch (compute/scripted.py), projecting as
+        `_project` does."""
+        n, length, _ = query.shape
+        s = length if key is None else key.shape[1]
+        mask = None if key_padding is None else visibility_mask(key_padding, causal, length, s, query.device)
+        if self.params is None:
+            projections, linears = scripted_path.BARE, []
+        elif key is None and self._in is not None:
+            projections, linears = scripted_path.PACKED, [(self._in, query)]
+        elif key is not None and key is value and self._kv is not None:
+            projections, linears = scripted_path.KEY_VALUE, [(self._q, query), (self._kv, key)]
+            value = None
+        else:
+            key = query if key is None else key
+            value = query if value is None else value
+            projections, linears = scripted_path.APART, [(self._q, query), (self._k, key), (self._v, value)]
+        tensors: list[torch.Tensor | None] = [query, key, value]
+        onednn = []
+        for product, x in linears:
+            weight, on = product.operand(x.shape[0] * x.shape[1])  # type: ignore[union-attr]
+            tensors += [weight, product.bias]  # type: ignore[union-attr]
+            onednn.append(on)
+        tensors += [None, None] * (3 - len(linears))
+        onednn += [False] * (3 - len(linears))
+        if self._out is not None:
+            weight, on = self._out.operand(n * length)
+            tensors += [weight, self._out.bias]
+            onednn.append(on)
+        else:
+            tensors += [None, None]
+            onednn.append(False)
+        tensors.append(mask)
+        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn)
+
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,6 +301,8 @@ class AttentionCompute:
                 return y, (w if need_weights else None)
             if key is None:
                 return self._tiled(query, key_padding, causal), None
+        if self.scripted and not need_weights and query.shape[0] > 1 and query.device.type == "cpu":
+            return self._explicit_scripted(query, key, value, key_padding, causal), None
         q, k, v = self._project(query, key, value)
         length = q.shape[1]
         s = k.shape[1]

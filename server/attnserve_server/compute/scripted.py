@@ -1,4 +1,4 @@
-"""The CPU's tiled self attention as one call into torch, and the GIL taken back once a batch.
+"""The CPU's tiled and explicit attention paths as one call into torch, and the GIL taken back once a batch.
 
 Under load the event loop holds the GIL most of the time, and a worker thread must take it back after
 every call into torch that gave it up: where the loop is busy (right after a batch, answering it and
@@ -10,7 +10,8 @@ Zen 3): the worker computed 99% of the time but ran on a CPU for 66% of it and w
 ~18% (BENCHMARKS.md, sixty-seventh pass).
 
 So the tiled path runs a batch of several sequences as one TorchScript function, which gives up the GIL
-once for the whole batch (one sequence computes op by op: attention.py says why).
+once for the whole batch (one sequence computes op by op: attention.py says why), and so does the explicit
+path where it returns no weights (cross attention of other lengths, the bare operation, odd head counts).
 That alone is not enough with torch 2.10 and later: a tensor that Python owns keeps its Python object
 alive through C++ references to it, and when such a tensor's last C++ reference but Python's goes, torch
 releases the object, taking the GIL to do so. A scripted function drops each op's arguments after the
@@ -18,7 +19,8 @@ op, so a weight or an input passed in from Python took the GIL inside the call, 
 `decref_pyobject` -> `gil_scoped_acquire` under the interpreter), and scripting the path as it was served
 causal W1 0.992x the eager path. Here every tensor from Python travels in one list that the function
 hands back with its result: the list holds a reference to each until the call has returned and the GIL
-is held again. Served causal W1 1.19x the eager path then (in pairs, 4 of 4).
+is held again. Served causal W1 1.19x the eager path then (in pairs, 4 of 4), W1's query with a key_value
+of 32 tokens 1.30x, of 256 tokens 1.06x.
 
 TorchScript is deprecated from torch 2.13 on (`torch.jit.script` warns at every compile; this module
 compiles once, at import, with that warning silenced). Where this torch cannot script the function,
@@ -68,12 +70,69 @@ def _tiled(
     return _linear(y.transpose(1, 2).reshape(n, length, e), w_out, tensors[4], onednn_out), tensors
 
 
-def _script() -> tuple[torch.jit.ScriptFunction | None, str | None]:
-    """The scripted `_tiled`, or None and why this torch cannot script it."""
+# How `_explicit` projects its inputs (its `projections`; TorchScript reads no module's ints, so the function
+# compares with the numbers themselves).
+BARE, PACKED, KEY_VALUE, APART = 0, 1, 2, 3
+
+
+def _explicit(
+    tensors: list[torch.Tensor | None],
+    projections: int,
+    heads: int,
+    causal: bool,
+    onednn: list[bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """tensors: the query [N, L, *], the key [N, S, *] and the value [N, S, *] (None where no projection
+    needs them), three weights and their biases, W_O and its bias (None: no output projection), and the
+    visibility mask (None, or bool [N, 1, 1|L, S]). `projections`: BARE (the inputs are Q, K and V), PACKED
+    (the query by the packed [W_Q; W_K; W_V], the first weight), KEY_VALUE (the query by W_Q, the key by
+    [W_K; W_V]) or APART (the query, the key and the value each by its own). `onednn`: for the three weights
+    and W_O in turn, whether on oneDNN. Returns the output [N, L, *], and `tensors` as they came."""
+    x = tensors[0]
+    assert x is not None
+    if projections == 0:  # BARE
+        q, k, v = x, tensors[1], tensors[2]
+    else:
+        w = tensors[3]
+        assert w is not None
+        q = _linear(x, w, tensors[4], onednn[0])
+        if projections == 1:  # PACKED
+            parts = q.chunk(3, -1)
+            q, k, v = parts[0], parts[1], parts[2]
+        else:
+            key, w_k = tensors[1], tensors[5]
+            assert key is not None and w_k is not None
+            k = _linear(key, w_k, tensors[6], onednn[1])
+            if projections == 2:  # KEY_VALUE
+                parts = k.chunk(2, -1)
+                k, v = parts[0], parts[1]
+            else:
+                value, w_v = tensors[2], tensors[7]
+                assert value is not None and w_v is not None
+                v = _linear(value, w_v, tensors[8], onednn[2])
+    assert k is not None and v is not None
+    # [N, T, h*d] -> [N, h, T, d]
+    q = q.unflatten(-1, [heads, -1]).transpose(1, 2)
+    k = k.unflatten(-1, [heads, -1]).transpose(1, 2)
+    v = v.unflatten(-1, [heads, -1]).transpose(1, 2)
+    mask = tensors[11]
+    if mask is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    y = y.transpose(1, 2).flatten(2)
+    w_out = tensors[9]
+    if w_out is not None:
+        y = _linear(y, w_out, tensors[10], onednn[3])
+    return y, tensors
+
+
+def _script() -> tuple[tuple[torch.jit.ScriptFunction, torch.jit.ScriptFunction] | None, str | None]:
+    """`_tiled` and `_explicit` scripted, or None and why this torch cannot script them."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
-            return torch.jit.script(_tiled), None
+            return (torch.jit.script(_tiled), torch.jit.script(_explicit)), None
     except Exception as exc:  # a torch without TorchScript, or one whose ops' schemas differ
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
@@ -97,5 +156,16 @@ def tiled(
     """Packed self attention on the tiled path in one call into torch (SCRIPTED must not be None)."""
     assert SCRIPTED is not None
     with torch.jit.optimized_execution(False):
-        out, _ = SCRIPTED([query, w_in, b_in, w_out, b_out, mask], heads, causal, onednn_in, onednn_out)
+        out, _ = SCRIPTED[0]([query, w_in, b_in, w_out, b_out, mask], heads, causal, onednn_in, onednn_out)
+    return out
+
+
+def explicit(
+    tensors: list[torch.Tensor | None], projections: int, heads: int, causal: bool, onednn: list[bool]
+) -> torch.Tensor:
+    """Attention on the explicit path without weights in one call into torch (`_explicit`; SCRIPTED must
+    not be None)."""
+    assert SCRIPTED is not None
+    with torch.jit.optimized_execution(False):
+        out, _ = SCRIPTED[1](tensors, projections, heads, causal, onednn)
     return out
