@@ -105,8 +105,8 @@ class AttentionCompute:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
         pays (FUSED_CPU_MAX_SCORE_BYTES, applied as `fused_bound` says), the tiled path otherwise. Tests turn
         either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py). `scripted`: the
-        CPU's tiled path computes in one call into torch where this torch can script it (compute/scripted.py),
-        else op by op."""
+        CPU's tiled path, and its explicit path without weights, compute a batch in one call into torch where
+        this torch can script them (compute/scripted.py), else op by op."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec

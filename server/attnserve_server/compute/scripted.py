@@ -23,10 +23,10 @@ is held again. Served causal W1 1.19x the eager path then (in pairs, 4 of 4), W1
 of 32 tokens 1.30x, of 256 tokens 1.06x.
 
 TorchScript is deprecated from torch 2.13 on (`torch.jit.script` warns at every compile; this module
-compiles once, at import, with that warning silenced). Where this torch cannot script the function,
+compiles once, at import, with that warning silenced). Where this torch cannot script the functions,
 `SCRIPTED` is None (`UNSCRIPTED` says why, and the worker logs it) and attention.py computes op by op, as it
-does with `cpu_scripted: false`. The scripted function runs as written (`torch.jit.optimized_execution(False)`,
-per thread), so it computes what the eager path computes, op for op, without the profiling executor's
+does with `cpu_scripted: false`. The scripted functions run as written (`torch.jit.optimized_execution(False)`,
+per thread), so they compute what the eager paths compute, op for op, without the profiling executor's
 specialisation by shape.
 """
 
