@@ -221,40 +221,45 @@ class AttentionCompute:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
 
+    def _products(
+        self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
+    ) -> tuple[int, list[tuple[Linear, torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
+        """How the explicit path projects its inputs (compute/scripted.py: BARE, PACKED, KEY_VALUE or APART),
+        each product's Linear and input in turn, and the key and value the products leave as they are (BARE's)
+        or take (KEY_VALUE's key, APART's key and value)."""
+        if self.params is None:
+            return scripted_path.BARE, [], key, value
+        if key is None and self._in is not None:
+            return scripted_path.PACKED, [(self._in, query)], None, None
+        if key is not None and key is value and self._kv is not None:
+            return scripted_path.KEY_VALUE, [(self._q, query), (self._kv, key)], key, None  # type: ignore[list-item]
+        key = query if key is None else key
+        value = query if value is None else value
+        return scripted_path.APART, [(self._q, query), (self._k, key), (self._v, value)], key, value  # type: ignore[list-item]
+
     def _explicit_scripted(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        key_padding: torch.Tensor | None,
+        padding: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
-        """The explicit path without weights in one call into torch (compute/scripted.py), projecting as
-        `_project` does."""
-        n, length, _ = query.shape
-        s = length if key is None else key.shape[1]
-        mask = None if key_padding is None else visibility_mask(key_padding, causal, length, s, query.device)
-        if self.params is None:
-            projections, linears = scripted_path.BARE, []
-        elif key is None and self._in is not None:
-            projections, linears = scripted_path.PACKED, [(self._in, query)]
-        elif key is not None and key is value and self._kv is not None:
-            projections, linears = scripted_path.KEY_VALUE, [(self._q, query), (self._kv, key)]
-            value = None
-        else:
-            key = query if key is None else key
-            value = query if value is None else value
-            projections, linears = scripted_path.APART, [(self._q, query), (self._k, key), (self._v, value)]
+        """The explicit path without weights in one call into torch (compute/scripted.py). `padding`: the
+        key_padding mask [N, S] or None."""
+        length, s = query.shape[1], query.shape[1] if key is None else key.shape[1]
+        mask = None if padding is None else visibility_mask(padding, causal, length, s, query.device)
+        projections, products, key, value = self._products(query, key, value)
         tensors: list[torch.Tensor | None] = [query, key, value]
         onednn = []
-        for product, x in linears:
-            weight, on = product.operand(x.shape[0] * x.shape[1])  # type: ignore[union-attr]
-            tensors += [weight, product.bias]  # type: ignore[union-attr]
+        for product, x in products:
+            weight, on = product.operand(x.shape[0] * x.shape[1])
+            tensors += [weight, product.bias]
             onednn.append(on)
-        tensors += [None, None] * (3 - len(linears))
-        onednn += [False] * (3 - len(linears))
+        tensors += [None, None] * (3 - len(products))
+        onednn += [False] * (3 - len(products))
         if self._out is not None:
-            weight, on = self._out.operand(n * length)
+            weight, on = self._out.operand(query.shape[0] * query.shape[1])
             tensors += [weight, self._out.bias]
             onednn.append(on)
         else:
@@ -266,17 +271,17 @@ class AttentionCompute:
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.params is None:
+        projections, products, key, value = self._products(query, key, value)
+        if projections == scripted_path.BARE:
             assert key is not None and value is not None
             return query, key, value
-        if key is None and self._in is not None:
-            return self._in(query).chunk(3, dim=-1)
-        if key is not None and key is value and self._kv is not None:
-            k, v = self._kv(key).chunk(2, dim=-1)
-            return self._q(query), k, v  # type: ignore[misc]
-        key = query if key is None else key
-        value = query if value is None else value
-        return self._q(query), self._k(key), self._v(value)  # type: ignore[misc]
+        y = [product(x) for product, x in products]
+        if projections == scripted_path.PACKED:
+            return y[0].chunk(3, dim=-1)  # type: ignore[return-value]
+        if projections == scripted_path.KEY_VALUE:
+            k, v = y[1].chunk(2, dim=-1)
+            return y[0], k, v
+        return y[0], y[1], y[2]
 
     def __call__(
         self,
