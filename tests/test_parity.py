@@ -258,16 +258,22 @@ def test_cross_attention_with_one_key_value_sequence_and_an_unbatched_query(pari
     close(got.output, y[0])
 
 
-def test_bare_operation_matches_scaled_dot_product_attention(default_server: Running) -> None:
+@pytest.mark.parametrize("need_weights", [True, False])  # without: one call into torch (compute/scripted.py)
+def test_bare_operation_matches_scaled_dot_product_attention(default_server: Running, need_weights: bool) -> None:
     q, k, v = rand(2, 5, 32), rand(2, 8, 32), rand(2, 8, 16)
     with Client(default_server.target) as c:
-        got = c.attend(q, key=k, value=v, model="bare", key_lengths=[8, 2], need_weights=True, average_weights=False)
+        got = c.attend(
+            q, key=k, value=v, model="bare", key_lengths=[8, 2], need_weights=need_weights, average_weights=False
+        )
     tq, tk, tv = (torch.from_numpy(a).unflatten(-1, (4, -1)).transpose(1, 2) for a in (q, k, v))
     allowed = (torch.arange(8)[None, :] < torch.tensor([8, 2])[:, None])[:, None, None, :]
     expected = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=allowed).transpose(1, 2).flatten(2)
     weights = torch.softmax((tq @ tk.transpose(-2, -1) / np.sqrt(8)).masked_fill(~allowed, -torch.inf), -1)
     close(got.output, expected.numpy())
-    close(got.attention_weights, weights.numpy())
+    if need_weights:
+        close(got.attention_weights, weights.numpy())
+    else:
+        assert got.attention_weights is None
 
 
 def in_one_batch(parity, name: str, seed: int, inputs: list[tuple[np.ndarray, ...]], masked: bool = True):

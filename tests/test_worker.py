@@ -469,6 +469,38 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     torch.testing.assert_close(y1, y[1:2], atol=1e-5, rtol=1e-4)
 
 
+def test_a_scripted_path_that_fails_where_op_by_op_computes_is_turned_off_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torch that scripts the paths but cannot run them: the batch is computed op by op, the scripted paths
+    go off for the model with one warning. A batch that fails op by op too is the batch's own failure: its
+    error, and the scripted paths stay on."""
+    script = scripted.SCRIPTED
+    assert script is not None
+
+    def broken(*args):
+        raise RuntimeError("the interpreter cannot run this")
+
+    monkeypatch.setattr(scripted, "SCRIPTED", (broken, broken))
+    compute, mha = compute_and_module(8)
+    x = torch.randn(3, 20, 32)
+    with torch.inference_mode():
+        with monkeypatch.context() as m:  # op by op fails too: a batch's own failure
+            m.setattr(compute, "_tiled_op_by_op", lambda *args: broken())
+            with pytest.raises(RuntimeError, match="cannot run this"):
+                compute(x, None, None, None, True, False, False)
+        assert compute.scripted
+        with caplog.at_level(logging.WARNING, logger="attnserve_server.compute.attention"):
+            y, _ = compute(x, None, None, None, True, False, False)
+            y2, _ = compute(x, x[:, :13], x[:, :13], None, False, False, False)  # explicit: op by op at once
+        expected, _ = mha(x, x, x, attn_mask=torch.ones(20, 20, dtype=torch.bool).triu(1), need_weights=False)
+        expected2, _ = mha(x, x[:, :13], x[:, :13], need_weights=False)
+    assert not compute.scripted
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y2, expected2, atol=1e-5, rtol=1e-4)
+    assert caplog.text.count("a scripted attention path failed where op by op computed the batch") == 1
+
+
 def test_the_scripted_call_hands_back_every_tensor_it_was_given() -> None:
     """What keeps the call from taking the GIL inside (compute/scripted.py): the list of tensors from Python
     comes back, holding each of them, so none's last reference but Python's drops inside the call."""

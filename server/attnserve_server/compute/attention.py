@@ -16,7 +16,9 @@ multiplies with torch's own products inside.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,8 @@ def visibility_mask(
         allowed = tril if allowed is None else allowed & tril
     return allowed
 
+
+log = logging.getLogger(__name__)
 
 _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
@@ -207,19 +211,50 @@ class AttentionCompute:
         torch (compute/scripted.py), else in as few as it takes: each call gives up the GIL and must take it
         back (module docstring). One sequence (a lone request, mostly while the loop is quiet) computes op by
         op: the scripted call's own cost, ~15 µs more for causal W1 on the Zen 3, outweighs its waits."""
-        n, length, e = query.shape
+        n, length, _ = query.shape
         mask = None if key_padding is None else visibility_mask(key_padding, causal, length, length, query.device)
         if self.scripted and n > 1 and query.device.type == "cpu":
-            w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
-            w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
-            b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
-            return scripted_path.tiled(query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal)
+
+            def scripted() -> torch.Tensor:
+                w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
+                w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
+                b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
+                return scripted_path.tiled(
+                    query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal
+                )
+
+            return self._scripted_else(scripted, lambda: self._tiled_op_by_op(query, mask, causal))
+        return self._tiled_op_by_op(query, mask, causal)
+
+    def _tiled_op_by_op(self, query: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        n, length, e = query.shape
         q, k, v = self._in(query).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[misc]
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
+
+    def _scripted_else(
+        self, scripted: Callable[[], torch.Tensor], op_by_op: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """`scripted()`, or where it fails and `op_by_op()` computes the same batch, that: the scripted paths
+        are then off for this model (a torch that scripts them but cannot run them), said once. Where both
+        fail, op by op's error is the batch's own (a bad input, memory), and the scripted paths stay on."""
+        try:
+            return scripted()
+        except RuntimeError as exc:
+            out = op_by_op()
+            if self.scripted:
+                self.scripted = False
+                log.warning(
+                    "model %r: a scripted attention path failed where op by op computed the batch (%s: %s); "
+                    "op by op from now on",
+                    self.spec.name,
+                    type(exc).__name__,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                )
+            return out
 
     def _products(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
@@ -307,7 +342,24 @@ class AttentionCompute:
             if key is None:
                 return self._tiled(query, key_padding, causal), None
         if self.scripted and not need_weights and query.shape[0] > 1 and query.device.type == "cpu":
-            return self._explicit_scripted(query, key, value, key_padding, causal), None
+            y = self._scripted_else(
+                lambda: self._explicit_scripted(query, key, value, key_padding, causal),
+                lambda: self._explicit(query, key, value, key_padding, causal, False, False)[0],
+            )
+            return y, None
+        return self._explicit(query, key, value, key_padding, causal, need_weights, average_weights)
+
+    def _explicit(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        key_padding: torch.Tensor | None,
+        causal: bool,
+        need_weights: bool,
+        average_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The explicit path op by op (the one that returns weights)."""
         q, k, v = self._project(query, key, value)
         length = q.shape[1]
         s = k.shape[1]

@@ -25,9 +25,10 @@ of 32 tokens 1.30x, of 256 tokens 1.06x.
 TorchScript is deprecated from torch 2.13 on (`torch.jit.script` warns at every compile; this module
 compiles once, at import, with that warning silenced). Where this torch cannot script the functions,
 `SCRIPTED` is None (`UNSCRIPTED` says why, and the worker logs it) and attention.py computes op by op, as it
-does with `cpu_scripted: false`. The scripted functions run as written (`torch.jit.optimized_execution(False)`,
-per thread), so they compute what the eager paths compute, op for op, without the profiling executor's
-specialisation by shape.
+does with `cpu_scripted: false`; where a scripted call fails and op by op computes the batch, attention.py
+turns the scripted paths off for the model (`_scripted_else`). The scripted functions run as written
+(`torch.jit.optimized_execution(False)`, per thread), so they compute what the eager paths compute, op for op,
+without the profiling executor's specialisation by shape.
 """
 
 from __future__ import annotations
