@@ -446,7 +446,7 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     op_by_op, _ = compute_and_module(6, scripted=False)
     with torch.inference_mode():
         with monkeypatch.context() as m:  # attention called from Python fails
-            m.setattr(attention.F, "scaled_dot_product_attention", None)
+            m.setattr(scripted.F, "scaled_dot_product_attention", None)
             y, _ = compute(x, None, None, padding, causal, False, False)
             assert len(calls) == 1
             with pytest.raises(TypeError):
@@ -486,7 +486,7 @@ def test_a_scripted_path_that_fails_where_op_by_op_computes_is_turned_off_and_sa
     x = torch.randn(3, 20, 32)
     with torch.inference_mode():
         with monkeypatch.context() as m:  # op by op fails too: a batch's own failure
-            m.setattr(compute, "_tiled_op_by_op", lambda *args: broken())
+            m.setattr(scripted, "_tiled", broken)
             with pytest.raises(RuntimeError, match="cannot run this"):
                 compute(x, None, None, None, True, False, False)
         assert compute.scripted
@@ -559,7 +559,7 @@ def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
     causal = mask == "causal"
     with torch.inference_mode():
         with monkeypatch.context() as m:  # attention called from Python fails
-            m.setattr(attention.F, "scaled_dot_product_attention", None)
+            m.setattr(scripted.F, "scaled_dot_product_attention", None)
             y, _ = one_call(x, key, value, padding, causal, False, False)
         expected, _ = op_by_op(x, key, value, padding, causal, False, False)
         one_call(x, key, value, padding, causal, True, False)  # weights: op by op

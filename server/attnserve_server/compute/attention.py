@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from attnserve_server.compute import scripted as scripted_path
 from attnserve_server.compute.devices import cpu_family
@@ -207,33 +206,23 @@ class AttentionCompute:
         return max(1, -(-FUSED_CPU_MAX_SCORE_BYTES // scores))
 
     def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Packed self attention on scaled_dot_product_attention, for several CPU sequences in one call into
-        torch (compute/scripted.py), else in as few as it takes: each call gives up the GIL and must take it
-        back (module docstring). One sequence (a lone request, mostly while the loop is quiet) computes op by
-        op: the scripted call's own cost, ~15 µs more for causal W1 on the Zen 3, outweighs its waits."""
+        """Packed self attention on scaled_dot_product_attention (compute/scripted.py's `_tiled`), for several
+        CPU sequences in one call into torch, else op by op: each call gives up the GIL and must take it back
+        (module docstring). One sequence (a lone request, mostly while the loop is quiet) computes op by op: the
+        scripted call's own cost, ~15 µs more for causal W1 on the Zen 3, outweighs its waits."""
         n, length, _ = query.shape
         mask = None if key_padding is None else visibility_mask(key_padding, causal, length, length, query.device)
+        w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
+        w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
+        b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
+
+        def run(one_call: bool) -> torch.Tensor:
+            args = (query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal, one_call)
+            return scripted_path.tiled(*args)
+
         if self.scripted and n > 1 and query.device.type == "cpu":
-
-            def scripted() -> torch.Tensor:
-                w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
-                w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
-                b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
-                return scripted_path.tiled(
-                    query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal
-                )
-
-            return self._scripted_else(scripted, lambda: self._tiled_op_by_op(query, mask, causal))
-        return self._tiled_op_by_op(query, mask, causal)
-
-    def _tiled_op_by_op(self, query: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        n, length, e = query.shape
-        q, k, v = self._in(query).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # type: ignore[misc]
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self._out(y.transpose(1, 2).reshape(n, length, e))  # type: ignore[misc]
+            return self._scripted_else(lambda: run(True), lambda: run(False))
+        return run(False)
 
     def _scripted_else(
         self, scripted: Callable[[], torch.Tensor], op_by_op: Callable[[], torch.Tensor]
@@ -272,16 +261,17 @@ class AttentionCompute:
         value = query if value is None else value
         return scripted_path.APART, [(self._q, query), (self._k, key), (self._v, value)], key, value  # type: ignore[list-item]
 
-    def _explicit_scripted(
+    def _unweighted(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         padding: torch.Tensor | None,
         causal: bool,
+        one_call: bool,
     ) -> torch.Tensor:
-        """The explicit path without weights in one call into torch (compute/scripted.py). `padding`: the
-        key_padding mask [N, S] or None."""
+        """The explicit path without weights (compute/scripted.py's `_explicit`), in one call into torch or op
+        by op. `padding`: the key_padding mask [N, S] or None."""
         length, s = query.shape[1], query.shape[1] if key is None else key.shape[1]
         mask = None if padding is None else visibility_mask(padding, causal, length, s, query.device)
         projections, products, key, value = self._products(query, key, value)
@@ -301,7 +291,7 @@ class AttentionCompute:
             tensors += [None, None]
             onednn.append(False)
         tensors.append(mask)
-        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn)
+        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn, one_call)
 
     def _project(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
@@ -341,25 +331,26 @@ class AttentionCompute:
                 return y, (w if need_weights else None)
             if key is None:
                 return self._tiled(query, key_padding, causal), None
-        if self.scripted and not need_weights and query.shape[0] > 1 and query.device.type == "cpu":
-            y = self._scripted_else(
-                lambda: self._explicit_scripted(query, key, value, key_padding, causal),
-                lambda: self._explicit(query, key, value, key_padding, causal, False, False)[0],
-            )
-            return y, None
-        return self._explicit(query, key, value, key_padding, causal, need_weights, average_weights)
+        if not need_weights:
 
-    def _explicit(
+            def run(one_call: bool) -> torch.Tensor:
+                return self._unweighted(query, key, value, key_padding, causal, one_call)
+
+            if self.scripted and query.shape[0] > 1 and query.device.type == "cpu":
+                return self._scripted_else(lambda: run(True), lambda: run(False)), None
+            return run(False), None
+        return self._weighted(query, key, value, key_padding, causal, average_weights)
+
+    def _weighted(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         key_padding: torch.Tensor | None,
         causal: bool,
-        need_weights: bool,
         average_weights: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The explicit path op by op (the one that returns weights)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The explicit path that returns the weights, op by op."""
         q, k, v = self._project(query, key, value)
         length = q.shape[1]
         s = k.shape[1]
@@ -367,22 +358,12 @@ class AttentionCompute:
         q = q.unflatten(-1, (self.heads, -1)).transpose(1, 2)
         k = k.unflatten(-1, (self.heads, -1)).transpose(1, 2)
         v = v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        weights = None
-        if need_weights:
-            allowed = visibility_mask(key_padding, causal, length, s, q.device)
-            scores = torch.matmul(q * self.scale, k.transpose(-2, -1))
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            attn = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            y = torch.matmul(attn, v)
-            weights = attn.mean(dim=1) if average_weights else attn
-        elif key_padding is None:
-            # No mask tensor: lets CUDA pick its flash or memory-efficient kernels.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        else:
-            allowed = visibility_mask(key_padding, causal, length, s, q.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        y = y.transpose(1, 2).flatten(2)
+        allowed = visibility_mask(key_padding, causal, length, s, q.device)
+        scores = torch.matmul(q * self.scale, k.transpose(-2, -1))
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        attn = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(attn, v).transpose(1, 2).flatten(2)
         if self._out is not None:
             y = self._out(y)
-        return y, weights
+        return y, attn.mean(dim=1) if average_weights else attn

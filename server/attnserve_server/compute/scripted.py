@@ -1,4 +1,5 @@
-"""The CPU's tiled and explicit attention paths as one call into torch, and the GIL taken back once a batch.
+"""The tiled and explicit attention paths (without weights), as one call into torch on the CPU, and the GIL
+taken back once a batch; elsewhere, and where one call does not pay, the same functions run op by op by Python.
 
 Under load the event loop holds the GIL most of the time, and a worker thread must take it back after
 every call into torch that gave it up: where the loop is busy (right after a batch, answering it and
@@ -153,20 +154,25 @@ def tiled(
     mask: torch.Tensor | None,
     heads: int,
     causal: bool,
+    one_call: bool,
 ) -> torch.Tensor:
-    """Packed self attention on the tiled path in one call into torch (SCRIPTED must not be None)."""
+    """Packed self attention on the tiled path (`_tiled`): in one call into torch (`one_call`: SCRIPTED must
+    not be None), else op by op, the same function run by Python."""
+    tensors = [query, w_in, b_in, w_out, b_out, mask]
+    if not one_call:
+        return _tiled(tensors, heads, causal, onednn_in, onednn_out)[0]
     assert SCRIPTED is not None
     with torch.jit.optimized_execution(False):
-        out, _ = SCRIPTED[0]([query, w_in, b_in, w_out, b_out, mask], heads, causal, onednn_in, onednn_out)
-    return out
+        return SCRIPTED[0](tensors, heads, causal, onednn_in, onednn_out)[0]
 
 
 def explicit(
-    tensors: list[torch.Tensor | None], projections: int, heads: int, causal: bool, onednn: list[bool]
+    tensors: list[torch.Tensor | None], projections: int, heads: int, causal: bool, onednn: list[bool], one_call: bool
 ) -> torch.Tensor:
-    """Attention on the explicit path without weights in one call into torch (`_explicit`; SCRIPTED must
-    not be None)."""
+    """Attention on the explicit path without weights (`_explicit`): in one call into torch (`one_call`:
+    SCRIPTED must not be None), else op by op, the same function run by Python."""
+    if not one_call:
+        return _explicit(tensors, projections, heads, causal, onednn)[0]
     assert SCRIPTED is not None
     with torch.jit.optimized_execution(False):
-        out, _ = SCRIPTED[1](tensors, projections, heads, causal, onednn)
-    return out
+        return SCRIPTED[1](tensors, projections, heads, causal, onednn)[0]
