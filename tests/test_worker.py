@@ -537,8 +537,9 @@ def test_a_cpu_worker_computes_op_by_op_where_asked_or_where_torch_cannot_script
 def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
     inputs: str, mask: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without weights the explicit path (cross attention of other lengths, the bare operation, self attention
-    where the fused kernel cannot run) computes a batch in one scripted call, with the answer op by op gives."""
+    """The explicit path (cross attention of other lengths, the bare operation, self attention where the fused
+    kernel cannot run) computes a batch in one scripted call, with or without the weights, and the answer op by
+    op gives; one sequence alone computes op by op."""
     monkeypatch.setattr(linear, "ONEDNN_MIN_ROWS", 1)  # oneDNN's products where this CPU has them
     calls = []
     script = scripted.SCRIPTED
@@ -562,12 +563,16 @@ def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
             m.setattr(scripted.F, "scaled_dot_product_attention", None)
             y, _ = one_call(x, key, value, padding, causal, False, False)
         expected, _ = op_by_op(x, key, value, padding, causal, False, False)
-        one_call(x, key, value, padding, causal, True, False)  # weights: op by op
+        y_w, w = one_call(x, key, value, padding, causal, True, False)  # weights per head
+        expected_y_w, expected_w = op_by_op(x, key, value, padding, causal, True, False)
+        assert len(calls) == 2
         one_call(
             x[:1], key if key is None else key[:1], value if value is None else value[:1], None, causal, False, False
         )
-    assert len(calls) == 1
+    assert len(calls) == 2
     torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y_w, expected_y_w, atol=0, rtol=0)
+    torch.testing.assert_close(w, expected_w, atol=0, rtol=0)
 
 
 def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn.MultiheadAttention]:
@@ -585,27 +590,45 @@ def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn
 
 @pytest.mark.parametrize("matmul", ["onednn", "aten"])
 @pytest.mark.parametrize("pair", ["key_value", "key and value"])
-@pytest.mark.parametrize("weights", ["none", "averaged"])
+@pytest.mark.parametrize("weights", ["none", "per_head", "averaged"])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("calls", ["one call", "op by op"])
 def test_cross_attention_matches_torchs_module(
-    matmul: str, pair: str, weights: str, calls: str, monkeypatch: pytest.MonkeyPatch
+    matmul: str, pair: str, weights: str, causal: bool, calls: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The explicit path, one X' for keys and values (projected by [W_K; W_V] at once) or a key and a value
     of their own, against torch.nn.MultiheadAttention, on oneDNN's products (past ONEDNN_MIN_ROWS) and torch's,
-    in one call into torch (without weights: compute/scripted.py) or op by op."""
+    with or without the weights: in one call into torch (compute/scripted.py) or op by op, which compute the
+    same answer to the bit."""
+    script = scripted.SCRIPTED
+    assert script is not None
+    scripted_calls = []
+    counted = (script[0], lambda *args: scripted_calls.append(args) or script[1](*args))
+    monkeypatch.setattr(scripted, "SCRIPTED", counted)
     compute, mha = compute_and_module(3, cpu_matmul=matmul, scripted=calls == "one call")
+    op_by_op = AttentionCompute(compute.spec, compute.params, cpu_matmul=matmul, scripted=False)
     monkeypatch.setattr(attention, "_NATIVE_MHA", None)  # a query of another length: never the fused kernel
     g = torch.Generator().manual_seed(1)
     x, kv = torch.randn(3, 40, 32, generator=g), torch.randn(3, 70, 32, generator=g)  # 120 and 210 rows
     key, value = (kv, kv) if pair == "key_value" else (kv, torch.randn(3, 70, 32, generator=g))
     padding = torch.arange(70)[None, :] >= torch.tensor([70, 33, 1])[:, None]
-    need = weights != "none"
+    need, average = weights != "none", weights == "averaged"
+    future = torch.ones(40, 70, dtype=torch.bool).triu(1) if causal else None  # query i sees keys 0..i
     with torch.inference_mode():
-        y, w = compute(x, key, value, padding, False, need, True)
-        expected, expected_w = mha(x, key, value, key_padding_mask=padding, need_weights=need)
+        y, w = compute(x, key, value, padding, causal, need, average)
+        y2, w2 = op_by_op(x, key, value, padding, causal, need, average)
+        expected, expected_w = mha(
+            x, key, value, key_padding_mask=padding, attn_mask=future, need_weights=need, average_attn_weights=average
+        )
+    assert len(scripted_calls) == (1 if calls == "one call" else 0)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, y2, atol=0, rtol=0)
     if need:
+        assert w is not None and w2 is not None
         torch.testing.assert_close(w, expected_w, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(w, w2, atol=0, rtol=0)
+    else:
+        assert w is None and w2 is None
     if matmul == "onednn" and linear._onednn_ops() is not None:
         projection = compute._kv if pair == "key_value" else compute._k
         assert projection is not None and projection._packed is not None  # the product that ran was oneDNN's

@@ -117,9 +117,9 @@ class ModelSettings:
     # with AVX2 and not AVX-512; elsewhere sequence for sequences of under 48 M multiply-adds, batch for
     # larger): compute/attention.py. Ignored on CUDA.
     cpu_fused_bound: str = "auto"
-    # The CPU's tiled path (masked, causal or large self-attention batches) and its explicit path without
-    # weights (cross attention, the bare operation) in one call into torch for a batch of several sequences,
-    # a TorchScript function (compute/scripted.py); false: op by op. Ignored on CUDA.
+    # The CPU's tiled path (masked, causal or large self-attention batches) and its explicit path (cross
+    # attention, the bare operation; with or without weights) in one call into torch for a batch of several
+    # sequences, a TorchScript function (compute/scripted.py); false: op by op. Ignored on CUDA.
     cpu_scripted: bool = True
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.

@@ -9,16 +9,16 @@ tiled path (`_tiled`: scaled_dot_product_attention between the two projections, 
 batch's scores; on the CPU one call into torch, compute/scripted.py, elsewhere four). Cross attention, the
 bare operation and odd head counts take the explicit path below, as torch's module does (but on the CPU the
 fused op takes one X', key_value, as long as the query: `_fused_takes`); there one X' projects to keys and
-values in one product, and on the CPU a batch without weights computes in one call into torch as well. On the
-CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the fused kernel
-multiplies with torch's own products inside.
+values in one product, and on the CPU a batch computes in one call into torch as well, with its weights or
+without. On the CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the
+fused kernel multiplies with torch's own products inside.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +42,8 @@ def visibility_mask(
 
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
@@ -115,7 +117,6 @@ class AttentionCompute:
         self.spec = spec
         self.params = params
         self.heads = spec.num_heads
-        self.scale = 1.0 / math.sqrt(spec.embed_dim // spec.num_heads)
         # torch's fused kernel takes the packed [W_Q; W_K; W_V], biases (zeros stand in for none) and
         # an even number of heads: the conditions of torch.nn.MultiheadAttention's own fast path.
         self.fused = fused and _NATIVE_MHA is not None and params is not None and params.packed is not None
@@ -224,9 +225,7 @@ class AttentionCompute:
             return self._scripted_else(lambda: run(True), lambda: run(False))
         return run(False)
 
-    def _scripted_else(
-        self, scripted: Callable[[], torch.Tensor], op_by_op: Callable[[], torch.Tensor]
-    ) -> torch.Tensor:
+    def _scripted_else(self, scripted: Callable[[], _T], op_by_op: Callable[[], _T]) -> _T:
         """`scripted()`, or where it fails and `op_by_op()` computes the same batch, that: the scripted paths
         are then off for this model (a torch that scripts them but cannot run them), said once. Where both
         fail, op by op's error is the batch's own (a bad input, memory), and the scripted paths stay on."""
@@ -261,19 +260,22 @@ class AttentionCompute:
         value = query if value is None else value
         return scripted_path.APART, [(self._q, query), (self._k, key), (self._v, value)], key, value  # type: ignore[list-item]
 
-    def _unweighted(
+    def _explicit(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         padding: torch.Tensor | None,
         causal: bool,
+        weights: int,
         one_call: bool,
-    ) -> torch.Tensor:
-        """The explicit path without weights (compute/scripted.py's `_explicit`), in one call into torch or op
-        by op. `padding`: the key_padding mask [N, S] or None."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The explicit path (compute/scripted.py's `_explicit`), in one call into torch or op by op: the
+        output and the weights `weights` asks for. `padding`: the key_padding mask [N, S] or None."""
         length, s = query.shape[1], query.shape[1] if key is None else key.shape[1]
-        mask = None if padding is None else visibility_mask(padding, causal, length, s, query.device)
+        # Without weights SDPA cuts the causal future itself (is_causal); with them the mask carries it.
+        masked = padding is not None or (causal and weights != scripted_path.NO_WEIGHTS)
+        mask = visibility_mask(padding, causal, length, s, query.device) if masked else None
         projections, products, key, value = self._products(query, key, value)
         tensors: list[torch.Tensor | None] = [query, key, value]
         onednn = []
@@ -291,22 +293,7 @@ class AttentionCompute:
             tensors += [None, None]
             onednn.append(False)
         tensors.append(mask)
-        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn, one_call)
-
-    def _project(
-        self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        projections, products, key, value = self._products(query, key, value)
-        if projections == scripted_path.BARE:
-            assert key is not None and value is not None
-            return query, key, value
-        y = [product(x) for product, x in products]
-        if projections == scripted_path.PACKED:
-            return y[0].chunk(3, dim=-1)  # type: ignore[return-value]
-        if projections == scripted_path.KEY_VALUE:
-            k, v = y[1].chunk(2, dim=-1)
-            return y[0], k, v
-        return y[0], y[1], y[2]
+        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn, weights, one_call)
 
     def __call__(
         self,
@@ -332,38 +319,13 @@ class AttentionCompute:
             if key is None:
                 return self._tiled(query, key_padding, causal), None
         if not need_weights:
+            weights = scripted_path.NO_WEIGHTS
+        else:
+            weights = scripted_path.AVERAGED if average_weights else scripted_path.PER_HEAD
 
-            def run(one_call: bool) -> torch.Tensor:
-                return self._unweighted(query, key, value, key_padding, causal, one_call)
+        def run(one_call: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return self._explicit(query, key, value, key_padding, causal, weights, one_call)
 
-            if self.scripted and query.shape[0] > 1 and query.device.type == "cpu":
-                return self._scripted_else(lambda: run(True), lambda: run(False)), None
-            return run(False), None
-        return self._weighted(query, key, value, key_padding, causal, average_weights)
-
-    def _weighted(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        key_padding: torch.Tensor | None,
-        causal: bool,
-        average_weights: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The explicit path that returns the weights, op by op."""
-        q, k, v = self._project(query, key, value)
-        length = q.shape[1]
-        s = k.shape[1]
-        # [N, T, h*d] -> [N, h, T, d]
-        q = q.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        k = k.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        v = v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        allowed = visibility_mask(key_padding, causal, length, s, q.device)
-        scores = torch.matmul(q * self.scale, k.transpose(-2, -1))
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        attn = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        y = torch.matmul(attn, v).transpose(1, 2).flatten(2)
-        if self._out is not None:
-            y = self._out(y)
-        return y, attn.mean(dim=1) if average_weights else attn
+        if self.scripted and query.shape[0] > 1 and query.device.type == "cpu":
+            return self._scripted_else(lambda: run(True), lambda: run(False))
+        return run(False)

@@ -1,5 +1,5 @@
-"""The tiled and explicit attention paths (without weights), as one call into torch on the CPU, and the GIL
-taken back once a batch; elsewhere, and where one call does not pay, the same functions run op by op by Python.
+"""The tiled and explicit attention paths, as one call into torch on the CPU, and the GIL taken back once a
+batch; elsewhere, and where one call does not pay, the same functions run op by op by Python.
 
 Under load the event loop holds the GIL most of the time, and a worker thread must take it back after
 every call into torch that gave it up: where the loop is busy (right after a batch, answering it and
@@ -12,7 +12,8 @@ Zen 3): the worker computed 99% of the time but ran on a CPU for 66% of it and w
 
 So the tiled path runs a batch of several sequences as one TorchScript function, which gives up the GIL
 once for the whole batch (one sequence computes op by op: attention.py says why), and so does the explicit
-path where it returns no weights (cross attention of other lengths, the bare operation, odd head counts).
+path (cross attention of other lengths, the bare operation, odd head counts, and the weights of a batch that
+the fused kernel does not compute).
 That alone is not enough with torch 2.10 and later: a tensor that Python owns keeps its Python object
 alive through C++ references to it, and when such a tensor's last C++ reference but Python's goes, torch
 releases the object, taking the GIL to do so. A scripted function drops each op's arguments after the
@@ -34,6 +35,7 @@ without the profiling executor's specialisation by shape.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -75,6 +77,8 @@ def _tiled(
 # How `_explicit` projects its inputs (its `projections`; TorchScript reads no module's ints, so the function
 # compares with the numbers themselves).
 BARE, PACKED, KEY_VALUE, APART = 0, 1, 2, 3
+# Which attention matrix `_explicit` returns beside the output (its `weights`).
+NO_WEIGHTS, PER_HEAD, AVERAGED = 0, 1, 2
 
 
 def _explicit(
@@ -83,13 +87,17 @@ def _explicit(
     heads: int,
     causal: bool,
     onednn: list[bool],
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    weights: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
     """tensors: the query [N, L, *], the key [N, S, *] and the value [N, S, *] (None where no projection
     needs them), three weights and their biases, W_O and its bias (None: no output projection), and the
-    visibility mask (None, or bool [N, 1, 1|L, S]). `projections`: BARE (the inputs are Q, K and V), PACKED
-    (the query by the packed [W_Q; W_K; W_V], the first weight), KEY_VALUE (the query by W_Q, the key by
-    [W_K; W_V]) or APART (the query, the key and the value each by its own). `onednn`: for the three weights
-    and W_O in turn, whether on oneDNN. Returns the output [N, L, *], and `tensors` as they came."""
+    visibility mask (None, or bool [N, 1, 1|L, S], True where a query may attend a key; with `weights` it
+    carries the causal cut too). `projections`: BARE (the inputs are Q, K and V), PACKED (the query by the
+    packed [W_Q; W_K; W_V], the first weight), KEY_VALUE (the query by W_Q, the key by [W_K; W_V]) or APART
+    (the query, the key and the value each by its own). `onednn`: for the three weights and W_O in turn,
+    whether on oneDNN. `weights`: NO_WEIGHTS, PER_HEAD or AVERAGED, the attention matrix to return beside
+    the output. Returns the output [N, L, *], the weights ([N, h, L, S], [N, L, S] averaged, or None), and
+    `tensors` as they came."""
     x = tensors[0]
     assert x is not None
     if projections == 0:  # BARE
@@ -118,15 +126,25 @@ def _explicit(
     k = k.unflatten(-1, [heads, -1]).transpose(1, 2)
     v = v.unflatten(-1, [heads, -1]).transpose(1, 2)
     mask = tensors[11]
-    if mask is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    attn: torch.Tensor | None = None
+    if weights == 0:  # NO_WEIGHTS
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:  # the scores materialised, as torch.nn.MultiheadAttention's own path does for its weights
+        scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        attn = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(attn, v)
+        if weights == 2:  # AVERAGED
+            attn = attn.mean(dim=1)
     y = y.transpose(1, 2).flatten(2)
     w_out = tensors[9]
     if w_out is not None:
         y = _linear(y, w_out, tensors[10], onednn[3])
-    return y, tensors
+    return y, attn, tensors
 
 
 def _script() -> tuple[tuple[torch.jit.ScriptFunction, torch.jit.ScriptFunction] | None, str | None]:
@@ -167,12 +185,20 @@ def tiled(
 
 
 def explicit(
-    tensors: list[torch.Tensor | None], projections: int, heads: int, causal: bool, onednn: list[bool], one_call: bool
-) -> torch.Tensor:
-    """Attention on the explicit path without weights (`_explicit`): in one call into torch (`one_call`:
-    SCRIPTED must not be None), else op by op, the same function run by Python."""
+    tensors: list[torch.Tensor | None],
+    projections: int,
+    heads: int,
+    causal: bool,
+    onednn: list[bool],
+    weights: int,
+    one_call: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention on the explicit path (`_explicit`), the output and the weights asked for: in one call into
+    torch (`one_call`: SCRIPTED must not be None), else op by op, the same function run by Python."""
     if not one_call:
-        return _explicit(tensors, projections, heads, causal, onednn)[0]
+        y, attn, _ = _explicit(tensors, projections, heads, causal, onednn, weights)
+        return y, attn
     assert SCRIPTED is not None
     with torch.jit.optimized_execution(False):
-        return SCRIPTED[1](tensors, projections, heads, causal, onednn)[0]
+        y, attn, _ = SCRIPTED[1](tensors, projections, heads, causal, onednn, weights)
+    return y, attn
