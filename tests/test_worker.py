@@ -346,15 +346,28 @@ def test_length_groups_join_equal_and_tiny_lengths_and_part_far_apart_ones() -> 
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone(need_weights: bool) -> None:
+def test_a_batch_of_far_apart_lengths_runs_in_groups_and_answers_as_each_alone(
+    need_weights: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four groups, each its own padded batch, computed in one call into torch (compute/scripted.py)."""
     spec = w1_spec()
     w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"), CpuThreads(1))
     lengths = [128, 64, 7, 64, 1, 100, 3]
+    script, calls = scripted.SCRIPTED, []
+    assert script is not None
+
+    def counted(paths, tensors, flags):
+        calls.append(paths)
+        return script(paths, tensors, flags)
+
+    monkeypatch.setattr(scripted, "SCRIPTED", counted)
     try:
         queries = [np.random.randn(1, n, 256).astype(np.float32) for n in lengths]
         requests = [request(q, need_weights=need_weights) for q in queries]  # weights per head
         batch = w.run(requests)
+        assert len(calls) == 1 and len(calls[0]) == 4
         alone = [w.run([r])[0] for r in requests]
+        assert len(calls) == 1  # one request alone: one call anyway
     finally:
         w.close()
     for together, itself in zip(batch, alone, strict=True):
@@ -436,7 +449,10 @@ def test_a_cpu_batch_on_the_tiled_path_makes_one_call_into_torch(mask: str, monk
     calls = []
     script = scripted.SCRIPTED
     assert script is not None  # this torch (the project's floor and up) scripts it
-    counted = (lambda *args: calls.append(args) or script[0](*args), script[1])
+
+    def counted(*args):
+        return calls.append(args) or script(*args)
+
     monkeypatch.setattr(scripted, "SCRIPTED", counted)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 20, 32, generator=g)
@@ -481,7 +497,7 @@ def test_a_scripted_path_that_fails_where_op_by_op_computes_is_turned_off_and_sa
     def broken(*args):
         raise RuntimeError("the interpreter cannot run this")
 
-    monkeypatch.setattr(scripted, "SCRIPTED", (broken, broken))
+    monkeypatch.setattr(scripted, "SCRIPTED", broken)
     compute, mha = compute_and_module(8)
     x = torch.randn(3, 20, 32)
     with torch.inference_mode():
@@ -507,9 +523,10 @@ def test_the_scripted_call_hands_back_every_tensor_it_was_given() -> None:
     assert scripted.SCRIPTED is not None
     x, w, b, wo = torch.randn(2, 5, 8), torch.randn(24, 8), torch.randn(24), torch.randn(8, 8)
     with torch.inference_mode():
-        out, given = scripted.SCRIPTED[0]([x, w, b, wo, None, None], 2, True, False, False)
-    assert out.shape == (2, 5, 8)
-    assert len(given) == 6 and all(a is b for a, b in zip(given, [x, w, b, wo, None, None], strict=True))
+        outputs, weights, given = scripted.SCRIPTED([scripted.TILED], [[x, w, b, wo, None, None]], [[2, 1, 0, 0]])
+    assert outputs[0].shape == (2, 5, 8) and weights == [None]
+    assert len(given) == 1 and len(given[0]) == 6
+    assert all(a is b for a, b in zip(given[0], [x, w, b, wo, None, None], strict=True))
 
 
 @pytest.mark.parametrize("setting", [True, False])
@@ -544,7 +561,7 @@ def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
     calls = []
     script = scripted.SCRIPTED
     assert script is not None
-    monkeypatch.setattr(scripted, "SCRIPTED", (script[0], lambda *args: calls.append(args) or script[1](*args)))
+    monkeypatch.setattr(scripted, "SCRIPTED", lambda *args: calls.append(args) or script(*args))
     heads = 3 if inputs == "odd heads" else 4  # the fused kernel takes an even count only
     kind = "sdpa" if inputs == "bare operation" else "mha"
     spec = spec_from_settings(ModelSettings(kind=kind, embed_dim=24, num_heads=heads, device=("cpu",)))
@@ -575,6 +592,19 @@ def test_a_cpu_batch_on_the_explicit_path_makes_one_call_into_torch(
     torch.testing.assert_close(w, expected_w, atol=0, rtol=0)
 
 
+def fused_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the batches that take torch's fused kernel from now on, in turn (each batch's plan, as
+    compute/scripted.py's `run` gets it)."""
+    run, batches = scripted.run, []
+
+    def counted(paths, tensors, flags, one_call):
+        batches.extend(t[0].shape[0] for path, t in zip(paths, tensors, strict=True) if path == scripted.FUSED)
+        return run(paths, tensors, flags, one_call)
+
+    monkeypatch.setattr(scripted, "run", counted)
+    return batches
+
+
 def compute_and_module(seed: int, **options) -> tuple[AttentionCompute, torch.nn.MultiheadAttention]:
     """A CPU model (E=32, 4 heads) of seeded random weights, and torch's module holding the same weights."""
     spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",)))
@@ -603,11 +633,14 @@ def test_cross_attention_matches_torchs_module(
     script = scripted.SCRIPTED
     assert script is not None
     scripted_calls = []
-    counted = (script[0], lambda *args: scripted_calls.append(args) or script[1](*args))
+
+    def counted(*args):
+        return scripted_calls.append(args) or script(*args)
+
     monkeypatch.setattr(scripted, "SCRIPTED", counted)
     compute, mha = compute_and_module(3, cpu_matmul=matmul, scripted=calls == "one call")
     op_by_op = AttentionCompute(compute.spec, compute.params, cpu_matmul=matmul, scripted=False)
-    monkeypatch.setattr(attention, "_NATIVE_MHA", None)  # a query of another length: never the fused kernel
+    fused = fused_batches(monkeypatch)  # a query of another length: never the fused kernel
     g = torch.Generator().manual_seed(1)
     x, kv = torch.randn(3, 40, 32, generator=g), torch.randn(3, 70, 32, generator=g)  # 120 and 210 rows
     key, value = (kv, kv) if pair == "key_value" else (kv, torch.randn(3, 70, 32, generator=g))
@@ -621,6 +654,7 @@ def test_cross_attention_matches_torchs_module(
             x, key, value, key_padding_mask=padding, attn_mask=future, need_weights=need, average_attn_weights=average
         )
     assert len(scripted_calls) == (1 if calls == "one call" else 0)
+    assert fused == []
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(y, y2, atol=0, rtol=0)
     if need:
@@ -643,9 +677,7 @@ def test_cross_attention_as_long_as_the_query_takes_the_fused_kernel_where_it_pa
     with weights, as it would self attention; a masked batch without weights takes the explicit path. Either
     way torch.nn.MultiheadAttention's answer."""
     compute, mha = compute_and_module(5)
-    calls = []
-    native = attention._NATIVE_MHA
-    monkeypatch.setattr(attention, "_NATIVE_MHA", lambda *args: calls.append(1) or native(*args))
+    calls = fused_batches(monkeypatch)
     g = torch.Generator().manual_seed(2)
     x, kv = torch.randn(3, 20, 32, generator=g), torch.randn(3, 20, 32, generator=g)
     padding = (torch.arange(20)[None, :] >= torch.tensor([20, 9, 1])[:, None]) if mask == "padded" else None
@@ -669,13 +701,7 @@ def test_cross_attention_as_long_as_the_query_takes_the_fused_kernel_where_it_pa
 
 @pytest.mark.parametrize("bound", ["batch", "sequence"])
 def test_cpu_batches_take_the_fused_kernel_only_while_it_pays(monkeypatch: pytest.MonkeyPatch, bound: str) -> None:
-    native, batches = attention._NATIVE_MHA, []
-
-    def counted(*args: object) -> object:
-        batches.append(args[0].shape[0])  # type: ignore[attr-defined]
-        return native(*args)  # type: ignore[misc]
-
-    monkeypatch.setattr(attention, "_NATIVE_MHA", counted)
+    batches = fused_batches(monkeypatch)
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
     compute = AttentionCompute(spec, random_projections(spec, 0), cpu_matmul="aten", fused_bound=bound)
     reference = AttentionCompute(spec, compute.params, tiled=False, cpu_matmul="aten")

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+# One batch's computation as compute/scripted.py's `_batches` takes it: its path (FUSED, TILED or EXPLICIT),
+# tensors and flags.
+Plan = tuple[int, list[torch.Tensor | None], list[int]]
+
 _NATIVE_MHA = getattr(torch, "_native_multi_head_attention", None)
 
 # On the CPU torch's fused kernel materialises every head's [L, S] scores for the whole batch and
@@ -206,24 +210,14 @@ class AttentionCompute:
             return None if scores < FUSED_CPU_MAX_SCORE_BYTES else 1
         return max(1, -(-FUSED_CPU_MAX_SCORE_BYTES // scores))
 
-    def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Packed self attention on scaled_dot_product_attention (compute/scripted.py's `_tiled`), for several
-        CPU sequences in one call into torch, else op by op: each call gives up the GIL and must take it back
-        (module docstring). One sequence (a lone request, mostly while the loop is quiet) computes op by op: the
-        scripted call's own cost, ~15 µs more for causal W1 on the Zen 3, outweighs its waits."""
+    def _tiled(self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool) -> Plan:
+        """Packed self attention on scaled_dot_product_attention (compute/scripted.py's `_tiled`)."""
         n, length, _ = query.shape
         mask = None if key_padding is None else visibility_mask(key_padding, causal, length, length, query.device)
         w_in, onednn_in = self._in.operand(n * length)  # type: ignore[union-attr]
         w_out, onednn_out = self._out.operand(n * length)  # type: ignore[union-attr]
-        b_in, b_out = self._in.bias, self._out.bias  # type: ignore[union-attr]
-
-        def run(one_call: bool) -> torch.Tensor:
-            args = (query, w_in, b_in, onednn_in, w_out, b_out, onednn_out, mask, self.heads, causal, one_call)
-            return scripted_path.tiled(*args)
-
-        if self.scripted and n > 1 and query.device.type == "cpu":
-            return self._scripted_else(lambda: run(True), lambda: run(False))
-        return run(False)
+        tensors = [query, w_in, self._in.bias, w_out, self._out.bias, mask]  # type: ignore[union-attr]
+        return scripted_path.TILED, tensors, [self.heads, int(causal), int(onednn_in), int(onednn_out)]
 
     def _scripted_else(self, scripted: Callable[[], _T], op_by_op: Callable[[], _T]) -> _T:
         """`scripted()`, or where it fails and `op_by_op()` computes the same batch, that: the scripted paths
@@ -268,10 +262,9 @@ class AttentionCompute:
         padding: torch.Tensor | None,
         causal: bool,
         weights: int,
-        one_call: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The explicit path (compute/scripted.py's `_explicit`), in one call into torch or op by op: the
-        output and the weights `weights` asks for. `padding`: the key_padding mask [N, S] or None."""
+    ) -> Plan:
+        """The explicit path (compute/scripted.py's `_explicit`), with the weights `weights` asks for.
+        `padding`: the key_padding mask [N, S] or None."""
         length, s = query.shape[1], query.shape[1] if key is None else key.shape[1]
         # Without weights SDPA cuts the causal future itself (is_causal); with them the mask carries it.
         masked = padding is not None or (causal and weights != scripted_path.NO_WEIGHTS)
@@ -282,18 +275,72 @@ class AttentionCompute:
         for product, x in products:
             weight, on = product.operand(x.shape[0] * x.shape[1])
             tensors += [weight, product.bias]
-            onednn.append(on)
+            onednn.append(int(on))
         tensors += [None, None] * (3 - len(products))
-        onednn += [False] * (3 - len(products))
+        onednn += [0] * (3 - len(products))
         if self._out is not None:
             weight, on = self._out.operand(query.shape[0] * query.shape[1])
             tensors += [weight, self._out.bias]
-            onednn.append(on)
+            onednn.append(int(on))
         else:
             tensors += [None, None]
-            onednn.append(False)
+            onednn.append(0)
         tensors.append(mask)
-        return scripted_path.explicit(tensors, projections, self.heads, causal, onednn, weights, one_call)
+        return scripted_path.EXPLICIT, tensors, [projections, self.heads, int(causal), weights, *onednn]
+
+    def plan(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        key_padding: torch.Tensor | None,
+        causal: bool,
+        need_weights: bool,
+        average_weights: bool,
+    ) -> Plan:
+        """How one batch computes (its path, tensors and flags: compute/scripted.py's `_batches`). query
+        [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
+        if self.fused and self._fused_takes(query, key, value):
+            if self._fused_pays(query, key_padding, causal, need_weights):
+                p = self.params
+                mask, mask_type = self._fused_mask(key_padding, causal, query)
+                tensors = [query, key, p.packed, self._qkv_bias, p.out_weight, self._out_bias, mask]  # type: ignore[union-attr]
+                flags = [self.spec.embed_dim, self.heads, int(need_weights), int(average_weights)]
+                return scripted_path.FUSED, tensors, [*flags, -1 if mask_type is None else mask_type]
+            if key is None:
+                return self._tiled(query, key_padding, causal)
+        if not need_weights:
+            weights = scripted_path.NO_WEIGHTS
+        else:
+            weights = scripted_path.AVERAGED if average_weights else scripted_path.PER_HEAD
+        return self._explicit(query, key, value, key_padding, causal, weights)
+
+    def compute(self, plans: list[Plan]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Computes batches as planned (`plan`), each its output and weights (or None): on the CPU in one call
+        into torch (compute/scripted.py) where that pays, else op by op. Each call into torch gives up the
+        GIL and must take it back (module docstring), so one call computes several batches (a batch's length
+        groups, worker.py) or a batch of several sequences on the tiled or explicit path; one batch on the
+        fused kernel is one call either way, and one sequence alone on another path (a lone request, mostly
+        while the loop is quiet) computes op by op: the scripted call's own cost, ~15 µs more for causal W1
+        on the Zen 3, outweighs its waits."""
+        paths = [path for path, _, _ in plans]
+        tensors = [t for _, t, _ in plans]
+        flags = [f for _, _, f in plans]
+
+        def run(one_call: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+            return list(zip(*scripted_path.run(paths, tensors, flags, one_call), strict=True))
+
+        if self.scripted and self._one_call_pays(plans):
+            return self._scripted_else(lambda: run(True), lambda: run(False))
+        return run(False)
+
+    @staticmethod
+    def _one_call_pays(plans: list[Plan]) -> bool:
+        query = plans[0][1][0]
+        assert query is not None
+        if query.device.type != "cpu":
+            return False
+        return len(plans) > 1 or (plans[0][0] != scripted_path.FUSED and query.shape[0] > 1)
 
     def __call__(
         self,
@@ -305,27 +352,6 @@ class AttentionCompute:
         need_weights: bool,
         average_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """query [N, L, E]; key/value [N, S, *] or None (self attention); key_padding [N, S], True = ignore."""
-        if self.fused and self._fused_takes(query, key, value):
-            if self._fused_pays(query, key_padding, causal, need_weights):
-                p = self.params
-                mask, mask_type = self._fused_mask(key_padding, causal, query)
-                kv = query if key is None else key
-                y, w = _NATIVE_MHA(  # type: ignore[misc]
-                    query, kv, kv, self.spec.embed_dim, self.heads, p.packed, self._qkv_bias,  # type: ignore[union-attr]
-                    p.out_weight, self._out_bias, mask, need_weights, average_weights, mask_type,  # type: ignore[union-attr]
-                )  # fmt: skip
-                return y, (w if need_weights else None)
-            if key is None:
-                return self._tiled(query, key_padding, causal), None
-        if not need_weights:
-            weights = scripted_path.NO_WEIGHTS
-        else:
-            weights = scripted_path.AVERAGED if average_weights else scripted_path.PER_HEAD
-
-        def run(one_call: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return self._explicit(query, key, value, key_padding, causal, weights, one_call)
-
-        if self.scripted and query.shape[0] > 1 and query.device.type == "cpu":
-            return self._scripted_else(lambda: run(True), lambda: run(False))
-        return run(False)
+        """One batch (`plan`, `compute`). query [N, L, E]; key/value [N, S, *] or None (self attention);
+        key_padding [N, S], True = ignore."""
+        return self.compute([self.plan(query, key, value, key_padding, causal, need_weights, average_weights)])[0]

@@ -7,7 +7,8 @@ mask that takes torch's slower masked path, and took 2.6x as long as running eac
 on this CPU, whatever its size. So the requests, longest first, join the current group while the
 padded group costs less than closing it and starting another would (one more call), by
 `compute_macs`'s count. A batch of equal lengths, the common case, is one group and costs one pass
-over its requests.
+over its requests. The groups then compute one after another in one call into torch where the torch
+can script it (worker.py, compute/scripted.py), so a group costs the GIL no second wait.
 
 On CUDA a batch stays one group: its kernels are launch-bound at these sizes and one batch is one
 host-to-device copy (staging.py); this rule was measured on the CPU only.

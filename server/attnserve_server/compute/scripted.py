@@ -1,5 +1,6 @@
-"""The tiled and explicit attention paths, as one call into torch on the CPU, and the GIL taken back once a
-batch; elsewhere, and where one call does not pay, the same functions run op by op by Python.
+"""Attention's three paths (torch's fused kernel, the tiled path, the explicit path) for one batch or several,
+as one call into torch on the CPU, and the GIL taken back once a batch; elsewhere, and where one call does not
+pay, the same functions run op by op by Python.
 
 Under load the event loop holds the GIL most of the time, and a worker thread must take it back after
 every call into torch that gave it up: where the loop is busy (right after a batch, answering it and
@@ -10,10 +11,11 @@ after each of its calls, in the loop's busy phase. Causal W1 at concurrency 32 (
 Zen 3): the worker computed 99% of the time but ran on a CPU for 66% of it and waited for the GIL
 ~18% (BENCHMARKS.md, sixty-seventh pass).
 
-So the tiled path runs a batch of several sequences as one TorchScript function, which gives up the GIL
-once for the whole batch (one sequence computes op by op: attention.py says why), and so does the explicit
-path (cross attention of other lengths, the bare operation, odd head counts, and the weights of a batch that
-the fused kernel does not compute).
+So `_batches`, one TorchScript function, computes a list of batches, each on its path, and gives up the GIL
+once for all of them: a batch of several sequences on the tiled path or the explicit path (cross attention
+of other lengths, the bare operation, odd head counts, and the weights of a batch that the fused kernel does
+not compute), and a batch of mixed lengths, whose length groups (groups.py) each compute as a batch of its
+own; one sequence alone and one batch on the fused kernel compute op by op (attention.py says why).
 That alone is not enough with torch 2.10 and later: a tensor that Python owns keeps its Python object
 alive through C++ references to it, and when such a tensor's last C++ reference but Python's goes, torch
 releases the object, taking the GIL to do so. A scripted function drops each op's arguments after the
@@ -22,7 +24,9 @@ op, so a weight or an input passed in from Python took the GIL inside the call, 
 causal W1 0.992x the eager path. Here every tensor from Python travels in one list that the function
 hands back with its result: the list holds a reference to each until the call has returned and the GIL
 is held again. Served causal W1 1.19x the eager path then (in pairs, 4 of 4), W1's query with a key_value
-of 32 tokens 1.30x, of 256 tokens 1.06x.
+of 32 tokens 1.30x, of 256 tokens 1.06x (BENCHMARKS.md, sixty-seventh pass); with the averaged weights 1.29x
+and 1.06x, and W1 of six mixed lengths (1-128 tokens), whose batches' groups had each been a call, 1.20x
+(sixty-eighth pass).
 
 TorchScript is deprecated from torch 2.13 on (`torch.jit.script` warns at every compile; this module
 compiles once, at import, with that warning silenced). Where this torch cannot script the functions,
@@ -50,54 +54,63 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
     return F.linear(x, weight, bias)
 
 
-def _tiled(
-    tensors: list[torch.Tensor | None],
-    heads: int,
-    causal: bool,
-    onednn_in: bool,
-    onednn_out: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """tensors: the query [N, L, E], the packed [W_Q; W_K; W_V] and its bias, W_O and its bias, and the
-    visibility mask (None, or bool [N, 1, 1|L, L], True where a query may attend a key). Returns the
-    output [N, L, E], and `tensors` as they came (the module docstring says why)."""
+def _fused(tensors: list[torch.Tensor | None], flags: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's fused MHA kernel (attention.py). tensors: the query [N, L, E], the key_value [N, L, E] (None:
+    self attention), the packed [W_Q; W_K; W_V] and its bias, W_O and its bias, and the kernel's additive mask
+    (None or float). flags: E, the heads, need_weights, average_weights, and the mask's type (-1: no mask)."""
+    x = tensors[0]
+    kv = tensors[1]
+    w_in, b_in, w_out, b_out = tensors[2], tensors[3], tensors[4], tensors[5]
+    assert x is not None and w_in is not None and b_in is not None and w_out is not None and b_out is not None
+    kv = x if kv is None else kv
+    need = flags[2] != 0
+    mask_type: int | None = None if flags[4] < 0 else flags[4]
+    y, w = torch._native_multi_head_attention(
+        x, kv, kv, flags[0], flags[1], w_in, b_in, w_out, b_out, tensors[6], need, flags[3] != 0, mask_type
+    )
+    if need:
+        return y, w
+    return y, None
+
+
+def _tiled(tensors: list[torch.Tensor | None], flags: list[int]) -> torch.Tensor:
+    """Packed self attention on scaled_dot_product_attention. tensors: the query [N, L, E], the packed
+    [W_Q; W_K; W_V] and its bias, W_O and its bias, and the visibility mask (None, or bool [N, 1, 1|L, L],
+    True where a query may attend a key). flags: the heads, causal, and whether each projection (in, out)
+    multiplies on oneDNN. Returns the output [N, L, E]."""
     x = tensors[0]
     w_in = tensors[1]
     w_out = tensors[3]
     mask = tensors[5]
     assert x is not None and w_in is not None and w_out is not None
     n, length, e = x.shape
-    qkv = _linear(x, w_in, tensors[2], onednn_in).view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    heads = flags[0]
+    qkv = _linear(x, w_in, tensors[2], flags[2] != 0).view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4)
     if mask is None:
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=causal)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=flags[1] != 0)
     else:
         y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-    return _linear(y.transpose(1, 2).reshape(n, length, e), w_out, tensors[4], onednn_out), tensors
+    return _linear(y.transpose(1, 2).reshape(n, length, e), w_out, tensors[4], flags[3] != 0)
 
 
-# How `_explicit` projects its inputs (its `projections`; TorchScript reads no module's ints, so the function
-# compares with the numbers themselves).
+# How `_explicit` projects its inputs (flags[0]; TorchScript reads no module's ints, so the function compares
+# with the numbers themselves).
 BARE, PACKED, KEY_VALUE, APART = 0, 1, 2, 3
-# Which attention matrix `_explicit` returns beside the output (its `weights`).
+# Which attention matrix `_explicit` returns beside the output (flags[3]).
 NO_WEIGHTS, PER_HEAD, AVERAGED = 0, 1, 2
 
 
-def _explicit(
-    tensors: list[torch.Tensor | None],
-    projections: int,
-    heads: int,
-    causal: bool,
-    onednn: list[bool],
-    weights: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+def _explicit(tensors: list[torch.Tensor | None], flags: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """tensors: the query [N, L, *], the key [N, S, *] and the value [N, S, *] (None where no projection
     needs them), three weights and their biases, W_O and its bias (None: no output projection), and the
-    visibility mask (None, or bool [N, 1, 1|L, S], True where a query may attend a key; with `weights` it
-    carries the causal cut too). `projections`: BARE (the inputs are Q, K and V), PACKED (the query by the
-    packed [W_Q; W_K; W_V], the first weight), KEY_VALUE (the query by W_Q, the key by [W_K; W_V]) or APART
-    (the query, the key and the value each by its own). `onednn`: for the three weights and W_O in turn,
-    whether on oneDNN. `weights`: NO_WEIGHTS, PER_HEAD or AVERAGED, the attention matrix to return beside
-    the output. Returns the output [N, L, *], the weights ([N, h, L, S], [N, L, S] averaged, or None), and
-    `tensors` as they came."""
+    visibility mask (None, or bool [N, 1, 1|L, S], True where a query may attend a key; with weights it
+    carries the causal cut too). flags: the projections, the heads, causal, the weights, and for the three
+    weights and W_O in turn whether on oneDNN. The projections: BARE (the inputs are Q, K and V), PACKED (the
+    query by the packed [W_Q; W_K; W_V], the first weight), KEY_VALUE (the query by W_Q, the key by
+    [W_K; W_V]) or APART (the query, the key and the value each by its own). The weights: NO_WEIGHTS,
+    PER_HEAD or AVERAGED, the attention matrix to return beside the output. Returns the output [N, L, *] and
+    the weights ([N, h, L, S], [N, L, S] averaged, or None)."""
+    projections, heads, causal, weights = flags[0], flags[1], flags[2] != 0, flags[3]
     x = tensors[0]
     assert x is not None
     if projections == 0:  # BARE
@@ -105,21 +118,21 @@ def _explicit(
     else:
         w = tensors[3]
         assert w is not None
-        q = _linear(x, w, tensors[4], onednn[0])
+        q = _linear(x, w, tensors[4], flags[4] != 0)
         if projections == 1:  # PACKED
             parts = q.chunk(3, -1)
             q, k, v = parts[0], parts[1], parts[2]
         else:
             key, w_k = tensors[1], tensors[5]
             assert key is not None and w_k is not None
-            k = _linear(key, w_k, tensors[6], onednn[1])
+            k = _linear(key, w_k, tensors[6], flags[5] != 0)
             if projections == 2:  # KEY_VALUE
                 parts = k.chunk(2, -1)
                 k, v = parts[0], parts[1]
             else:
                 value, w_v = tensors[2], tensors[7]
                 assert value is not None and w_v is not None
-                v = _linear(value, w_v, tensors[8], onednn[2])
+                v = _linear(value, w_v, tensors[8], flags[6] != 0)
     assert k is not None and v is not None
     # [N, T, h*d] -> [N, h, T, d]
     q = q.unflatten(-1, [heads, -1]).transpose(1, 2)
@@ -143,16 +156,40 @@ def _explicit(
     y = y.transpose(1, 2).flatten(2)
     w_out = tensors[9]
     if w_out is not None:
-        y = _linear(y, w_out, tensors[10], onednn[3])
-    return y, attn, tensors
+        y = _linear(y, w_out, tensors[10], flags[7] != 0)
+    return y, attn
 
 
-def _script() -> tuple[tuple[torch.jit.ScriptFunction, torch.jit.ScriptFunction] | None, str | None]:
-    """`_tiled` and `_explicit` scripted, or None and why this torch cannot script them."""
+# A batch's path (the first of `_batches`' lists).
+FUSED, TILED, EXPLICIT = 0, 1, 2
+
+
+def _batches(
+    paths: list[int], tensors: list[list[torch.Tensor | None]], flags: list[list[int]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[list[torch.Tensor | None]]]:
+    """Computes batches in turn, each on its path (FUSED: `_fused`, TILED: `_tiled`, EXPLICIT: `_explicit`)
+    with its tensors and flags. Returns each batch's output and weights (or None), and `tensors` as they came
+    (the module docstring says why)."""
+    outputs: list[torch.Tensor] = []
+    weights: list[torch.Tensor | None] = []
+    for i in range(len(paths)):
+        if paths[i] == 0:  # FUSED
+            y, w = _fused(tensors[i], flags[i])
+        elif paths[i] == 1:  # TILED
+            y, w = _tiled(tensors[i], flags[i]), None
+        else:  # EXPLICIT
+            y, w = _explicit(tensors[i], flags[i])
+        outputs.append(y)
+        weights.append(w)
+    return outputs, weights, tensors
+
+
+def _script() -> tuple[torch.jit.ScriptFunction | None, str | None]:
+    """`_batches` scripted, or None and why this torch cannot script it."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
-            return (torch.jit.script(_tiled), torch.jit.script(_explicit)), None
+            return torch.jit.script(_batches), None
     except Exception as exc:  # a torch without TorchScript, or one whose ops' schemas differ
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
@@ -161,44 +198,15 @@ def _script() -> tuple[tuple[torch.jit.ScriptFunction, torch.jit.ScriptFunction]
 SCRIPTED, UNSCRIPTED = _script()
 
 
-def tiled(
-    query: torch.Tensor,
-    w_in: torch.Tensor,
-    b_in: torch.Tensor | None,
-    onednn_in: bool,
-    w_out: torch.Tensor,
-    b_out: torch.Tensor | None,
-    onednn_out: bool,
-    mask: torch.Tensor | None,
-    heads: int,
-    causal: bool,
-    one_call: bool,
-) -> torch.Tensor:
-    """Packed self attention on the tiled path (`_tiled`): in one call into torch (`one_call`: SCRIPTED must
-    not be None), else op by op, the same function run by Python."""
-    tensors = [query, w_in, b_in, w_out, b_out, mask]
+def run(
+    paths: list[int], tensors: list[list[torch.Tensor | None]], flags: list[list[int]], one_call: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Batches on their paths (`_batches`): in one call into torch (`one_call`: SCRIPTED must not be None), else
+    op by op, the same function run by Python. Returns each batch's output and weights (or None)."""
     if not one_call:
-        return _tiled(tensors, heads, causal, onednn_in, onednn_out)[0]
+        outputs, weights, _ = _batches(paths, tensors, flags)
+        return outputs, weights
     assert SCRIPTED is not None
     with torch.jit.optimized_execution(False):
-        return SCRIPTED[0](tensors, heads, causal, onednn_in, onednn_out)[0]
-
-
-def explicit(
-    tensors: list[torch.Tensor | None],
-    projections: int,
-    heads: int,
-    causal: bool,
-    onednn: list[bool],
-    weights: int,
-    one_call: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention on the explicit path (`_explicit`), the output and the weights asked for: in one call into
-    torch (`one_call`: SCRIPTED must not be None), else op by op, the same function run by Python."""
-    if not one_call:
-        y, attn, _ = _explicit(tensors, projections, heads, causal, onednn, weights)
-        return y, attn
-    assert SCRIPTED is not None
-    with torch.jit.optimized_execution(False):
-        y, attn, _ = SCRIPTED[1](tensors, projections, heads, causal, onednn, weights)
-    return y, attn
+        outputs, weights, _ = SCRIPTED(paths, tensors, flags)
+    return outputs, weights

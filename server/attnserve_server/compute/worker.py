@@ -365,10 +365,12 @@ class DeviceWorker:
         # What the batch's thread spends on a CPU, for its chooser: a core it waits for (or the GIL)
         # is one the event loop wants (compute/threads.py).
         cpu_start, wall_start = (time.thread_time(), time.perf_counter()) if chooser is not None else (0.0, 0.0)
-        for group, shape in zip(groups, shapes, strict=True):
-            out_host, weights_host, (stage_s, compute_s, gpu_s) = self._run_group(lane, group, shape)
-            staged_s += stage_s
-            computed_s += compute_s
+        if len(groups) == 1:
+            out_host, weights_host, (staged_s, computed_s, gpu_s) = self._run_group(lane, groups[0], shapes[0])
+            results = [(out_host, weights_host)]
+        else:
+            results, (staged_s, computed_s) = self._run_groups(lane, groups, shapes)
+        for group, (out_host, weights_host) in zip(groups, results, strict=True):
             parts += answers_of(out_host, weights_host, group, views=fresh)
             if weights_host is not None:
                 heads = () if weights_host.ndim == 3 else (weights_host.shape[1],)
@@ -470,6 +472,48 @@ class DeviceWorker:
             in_place=placed is not None,
         )
 
+    @staticmethod
+    def _stage(
+        lane: _Lane, requests: list[AttentionRequest], shape: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The requests' inputs as one batch of `shape` (sequences, longest query, longest key), padded:
+        the query, the key and the value (None for self attention), and the key padding mask (or None)."""
+        first = requests[0]
+        n, length, s = shape
+        roles = [([r.query for r in requests], length)]
+        if first.key is not None:
+            roles.append(([r.key for r in requests], s))  # type: ignore[misc]
+            # key_value sends one X' for both: stage (and copy to the device) once.
+            if not all(r.value is r.key for r in requests):
+                roles.append(([r.value for r in requests], s))  # type: ignore[misc]
+        tensors, padding = lane.stager.stage(roles, key_mask(requests, n, s))
+        if first.key is None:
+            return tensors[0], None, None, padding
+        return tensors[0], tensors[1], tensors[1] if len(tensors) == 2 else tensors[2], padding
+
+    def _run_groups(
+        self, lane: _Lane, groups: list[list[AttentionRequest]], shapes: list[tuple[int, int, int]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], tuple[float, float]]:
+        """A CPU batch's length groups, each run as one padded batch: all staged, then all computed in one
+        call into torch where it pays (AttentionCompute.compute: each call gives up the GIL and must take it
+        back, and a batch of mixed lengths at concurrency 32 waited ~20% of its time so, group after group;
+        BENCHMARKS.md, sixty-eighth pass). Returns each group's output (and weights) as numpy, and the
+        seconds spent staging and computing. The CPU's staged tensors are each group's own (no reused slab),
+        so every group's inputs live until the call ends."""
+        start = time.perf_counter()
+        plans = []
+        for group, shape in zip(groups, shapes, strict=True):
+            query, key, value, padding = self._stage(lane, group, shape)
+            first = group[0]
+            plans.append(
+                self._compute.plan(query, key, value, padding, first.causal, first.need_weights, first.average_weights)
+            )
+        staged = time.perf_counter()
+        results = self._compute.compute(plans)
+        computed = time.perf_counter()
+        hosts = [(to_numpy(y), None if w is None else to_numpy(w)) for y, w in results]
+        return hosts, (staged - start, computed - staged)
+
     def _run_group(
         self, lane: _Lane, requests: list[AttentionRequest], shape: tuple[int, int, int]
     ) -> tuple[np.ndarray, np.ndarray | None, tuple[float, float, tuple[float, float] | None]]:
@@ -479,23 +523,10 @@ class DeviceWorker:
         start = time.perf_counter()
         timer = _CudaPhases(lane.stream) if lane.stream is not None else None
         first = requests[0]
-        n, length, s = shape
         stream = torch.cuda.stream(lane.stream) if lane.stream is not None else contextlib.nullcontext()
         with stream:
             # 1. stage inputs, padded to the longest query and key
-            roles = [([r.query for r in requests], length)]
-            if first.key is not None:
-                roles.append(([r.key for r in requests], s))  # type: ignore[misc]
-                # key_value sends one X' for both: stage (and copy to the device) once.
-                shared = all(r.value is r.key for r in requests)
-                if not shared:
-                    roles.append(([r.value for r in requests], s))  # type: ignore[misc]
-            tensors, padding = lane.stager.stage(roles, key_mask(requests, n, s))
-            query = tensors[0]
-            key = value = None
-            if first.key is not None:
-                key = tensors[1]
-                value = tensors[1] if len(tensors) == 2 else tensors[2]
+            query, key, value, padding = self._stage(lane, requests, shape)
             if timer is not None:
                 timer.mark(0)
             staged = time.perf_counter()
