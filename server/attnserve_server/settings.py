@@ -119,7 +119,8 @@ class ModelSettings:
     cpu_fused_bound: str = "auto"
     # The CPU's tiled path (masked, causal or large self-attention batches) and its explicit path (cross
     # attention, the bare operation; with or without weights) in one call into torch for a batch of several
-    # sequences, a TorchScript function (compute/scripted.py); false: op by op. Ignored on CUDA.
+    # sequences, and a batch's length groups in one call, a TorchScript function (compute/scripted.py);
+    # false: op by op. Ignored on CUDA.
     cpu_scripted: bool = True
     # Batches a CPU worker computes at once, each on a thread of its own (Triton's instance count); with
     # more than one, each lane's batches run on cores / lanes intra-op threads unless torch_threads says.
@@ -421,8 +422,8 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         bool,
         "the CPU's attention paths other than the fused kernel (masked, causal or large self-attention batches;"
-        " cross attention, the bare operation) in one call into torch a batch, a TorchScript function, true or"
-        " false (op by op) (default true)",
+        " cross attention, the bare operation) in one call into torch a batch, and a batch's length groups in one"
+        " call, a TorchScript function, true or false (op by op) (default true)",
     ),
     Option(
         "cpu-lanes",

@@ -336,6 +336,7 @@ class AttentionCompute:
 
     @staticmethod
     def _one_call_pays(plans: list[Plan]) -> bool:
+        """Whether one scripted call computes these plans faster than op by op (`compute` says when)."""
         query = plans[0][1][0]
         assert query is not None
         if query.device.type != "cpu":
