@@ -597,9 +597,9 @@ def fused_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     compute/scripted.py's `run` gets it)."""
     run, batches = scripted.run, []
 
-    def counted(paths, tensors, flags, one_call):
-        batches.extend(t[0].shape[0] for path, t in zip(paths, tensors, strict=True) if path == scripted.FUSED)
-        return run(paths, tensors, flags, one_call)
+    def counted(plans, one_call):
+        batches.extend(t[0].shape[0] for path, t, _ in plans if path == scripted.FUSED)
+        return run(plans, one_call)
 
     monkeypatch.setattr(scripted, "run", counted)
     return batches

@@ -137,6 +137,7 @@ class AttentionCompute:
             self._qkv_bias = p.packed_bias if p.packed_bias is not None else zeros(3 * e)
             self._out_bias = p.out_bias if p.out_bias is not None else zeros(e)
         self._causal: dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._smallest_tiled: dict[tuple[int, int], int | None] = {}  # smallest_tiled_batch's, per length
         self._in = self._kv = self._q = self._k = self._v = self._out = None
         if params is not None:
             p = params
@@ -155,6 +156,8 @@ class AttentionCompute:
     ) -> tuple[torch.Tensor | None, int | None]:
         """The mask and mask type the fused op takes, built as torch.nn.MultiheadAttention.merge_masks
         builds them: additive float masks, key padding [N, S] (type 1) or merged [N, h, L, L] (type 2)."""
+        if key_padding is None and not causal:
+            return None, None
         n, length, _ = query.shape
         padding = None
         if key_padding is not None:
@@ -186,19 +189,25 @@ class AttentionCompute:
         pass); other lengths it refuses, and CUDA keeps the explicit path's SDPA kernels."""
         if key is None:
             return True
-        return key is value and query.device.type == "cpu" and key.shape[1] == query.shape[1]
+        return key is value and query.is_cpu and key.shape[1] == query.shape[1]
 
     def _fused_pays(
         self, query: torch.Tensor, key_padding: torch.Tensor | None, causal: bool, need_weights: bool
     ) -> bool:
         """Whether a batch runs faster on the fused kernel than on the tiled path (self attention) or the
         explicit one (cross attention)."""
-        if need_weights or not self.tiled or query.device.type != "cpu":
+        if need_weights or not self.tiled or not query.is_cpu:
             return True  # weights are materialised either way; CUDA's fused kernel calls SDPA's (head width 8k)
         if key_padding is not None or causal:
             return False
-        tiled = self.smallest_tiled_batch(query.shape[1], query.element_size())
-        return tiled is None or query.shape[0] < tiled
+        n, length, _ = query.shape
+        key = (length, query.element_size())
+        tiled = self._smallest_tiled.get(key, 0)
+        if tiled == 0:  # not yet known for this length (a batch a request's path asks about, so cached)
+            if len(self._smallest_tiled) >= 4096:
+                self._smallest_tiled.clear()
+            tiled = self._smallest_tiled[key] = self.smallest_tiled_batch(*key)
+        return tiled is None or n < tiled
 
     def smallest_tiled_batch(self, length: int, element_size: int) -> int | None:
         """How many unmasked CPU sequences of this length make a batch that takes the tiled path; None where
@@ -323,23 +332,16 @@ class AttentionCompute:
         fused kernel is one call either way, and one sequence alone on another path (a lone request, mostly
         while the loop is quiet) computes op by op: the scripted call's own cost, ~15 µs more for causal W1
         on the Zen 3, outweighs its waits."""
-        paths = [path for path, _, _ in plans]
-        tensors = [t for _, t, _ in plans]
-        flags = [f for _, _, f in plans]
-
-        def run(one_call: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-            return list(zip(*scripted_path.run(paths, tensors, flags, one_call), strict=True))
-
         if self.scripted and self._one_call_pays(plans):
-            return self._scripted_else(lambda: run(True), lambda: run(False))
-        return run(False)
+            return self._scripted_else(lambda: scripted_path.run(plans, True), lambda: scripted_path.run(plans, False))
+        return scripted_path.run(plans, False)
 
     @staticmethod
     def _one_call_pays(plans: list[Plan]) -> bool:
         """Whether one scripted call computes these plans faster than op by op (`compute` says when)."""
         query = plans[0][1][0]
         assert query is not None
-        if query.device.type != "cpu":
+        if not query.is_cpu:
             return False
         return len(plans) > 1 or (plans[0][0] != scripted_path.FUSED and query.shape[0] > 1)
 

@@ -164,21 +164,25 @@ def _explicit(tensors: list[torch.Tensor | None], flags: list[int]) -> tuple[tor
 FUSED, TILED, EXPLICIT = 0, 1, 2
 
 
+def _batch(path: int, tensors: list[torch.Tensor | None], flags: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One batch on its path (FUSED: `_fused`, TILED: `_tiled`, EXPLICIT: `_explicit`) with its tensors and
+    flags: its output and weights (or None)."""
+    if path == 0:  # FUSED
+        return _fused(tensors, flags)
+    if path == 1:  # TILED
+        return _tiled(tensors, flags), None
+    return _explicit(tensors, flags)
+
+
 def _batches(
     paths: list[int], tensors: list[list[torch.Tensor | None]], flags: list[list[int]]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[list[torch.Tensor | None]]]:
-    """Computes batches in turn, each on its path (FUSED: `_fused`, TILED: `_tiled`, EXPLICIT: `_explicit`)
-    with its tensors and flags. Returns each batch's output and weights (or None), and `tensors` as they came
-    (the module docstring says why)."""
+    """Batches in turn (`_batch`): each one's output and weights (or None), and `tensors` as they came (the
+    module docstring says why)."""
     outputs: list[torch.Tensor] = []
     weights: list[torch.Tensor | None] = []
     for i in range(len(paths)):
-        if paths[i] == 0:  # FUSED
-            y, w = _fused(tensors[i], flags[i])
-        elif paths[i] == 1:  # TILED
-            y, w = _tiled(tensors[i], flags[i]), None
-        else:  # EXPLICIT
-            y, w = _explicit(tensors[i], flags[i])
+        y, w = _batch(paths[i], tensors[i], flags[i])
         outputs.append(y)
         weights.append(w)
     return outputs, weights, tensors
@@ -199,14 +203,17 @@ SCRIPTED, UNSCRIPTED = _script()
 
 
 def run(
-    paths: list[int], tensors: list[list[torch.Tensor | None]], flags: list[list[int]], one_call: bool
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """Batches on their paths (`_batches`): in one call into torch (`one_call`: SCRIPTED must not be None), else
-    op by op, the same function run by Python. Returns each batch's output and weights (or None)."""
+    plans: list[tuple[int, list[torch.Tensor | None], list[int]]], one_call: bool
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Batches, each (path, tensors, flags), on their paths: in one call into torch (`_batches` scripted;
+    `one_call`: SCRIPTED must not be None), else op by op, the same functions run by Python. Returns each
+    batch's output and weights (or None)."""
     if not one_call:
-        outputs, weights, _ = _batches(paths, tensors, flags)
-        return outputs, weights
+        return [_batch(path, tensors, flags) for path, tensors, flags in plans]
     assert SCRIPTED is not None
+    paths = [path for path, _, _ in plans]
+    tensors = [t for _, t, _ in plans]
+    flags = [f for _, _, f in plans]
     with torch.jit.optimized_execution(False):
         outputs, weights, _ = SCRIPTED(paths, tensors, flags)
-    return outputs, weights
+    return list(zip(outputs, weights, strict=True))
