@@ -500,6 +500,7 @@ class DeviceWorker:
         BENCHMARKS.md, sixty-eighth pass). Returns each group's output (and weights) as numpy, and the
         seconds spent staging and computing. The CPU's staged tensors are each group's own (no reused slab),
         so every group's inputs live until the call ends."""
+        assert lane.stager.slab is None, "a reused slab would hold one group's inputs at a time"
         start = time.perf_counter()
         plans = []
         for group, shape in zip(groups, shapes, strict=True):
