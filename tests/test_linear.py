@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnserve_server.compute import linear
+from attnserve_server.compute import linear, scripted
 from attnserve_server.compute.linear import Linear
+
+
+def product(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x W^T + b as the attention paths make it: the layer's operand for x's rows, by compute/scripted.py."""
+    weight, onednn = layer.operand(x.numel() // x.shape[-1])
+    return scripted._linear(x, weight, layer.bias, onednn)
 
 
 def onednn_here() -> bool:
@@ -32,12 +38,12 @@ def test_onednn_products_match_torch_on_any_leading_shape(dtype: torch.dtype, bi
     atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.02)
     for shape in [(64, 32), (3, 70, 32), (2, 4, 9, 32)]:  # from ONEDNN_MIN_ROWS rows
         x = torch.randn(*shape, generator=g).to(dtype)
-        y = layer(x)
+        y = product(layer, x)
         assert y.shape == (*shape[:-1], 48) and y.dtype == dtype
         torch.testing.assert_close(y, F.linear(x, w, b), atol=atol, rtol=rtol)
     # a view with strides (the tiled path's transposed heads, reshaped) gives the same
     x = torch.randn(4, 32, 20, generator=g).to(dtype).transpose(1, 2)
-    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=atol, rtol=rtol)
+    torch.testing.assert_close(product(layer, x), F.linear(x, w, b), atol=atol, rtol=rtol)
     if onednn_multiplies(dtype):
         assert layer._packed is not None  # packed once, at the first product
     else:  # an AVX2-only CPU (AMD EPYC Zen 2): the first product found out, F.linear from then on
@@ -49,7 +55,7 @@ def test_aten_and_cuda_weights_multiply_with_torch_and_pack_nothing() -> None:
     layer = Linear(w, b, "aten")
     x = torch.randn(3, 4)
     assert not layer.takes(linear.ONEDNN_MIN_ROWS)
-    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    torch.testing.assert_close(product(layer, x), F.linear(x, w, b))
     assert layer._packed is None
     with pytest.raises(ValueError, match="cpu_matmul: expected one of onednn, aten, got 'mkl'"):
         Linear(w, b, "mkl")
@@ -64,7 +70,7 @@ def test_a_dtype_onednn_cannot_multiply_here_falls_back_to_torch(monkeypatch: py
     layer = Linear(w, b)
     assert layer.takes(linear.ONEDNN_MIN_ROWS)  # until its first product finds out
     x = torch.randn(2, 40, 4)
-    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    torch.testing.assert_close(product(layer, x), F.linear(x, w, b))
     assert not layer.takes(linear.ONEDNN_MIN_ROWS) and layer._packed is None
 
 
@@ -77,7 +83,7 @@ def test_a_product_of_few_rows_multiplies_with_torch_and_packs_nothing(monkeypat
     layer = Linear(w, b)
     assert layer.takes(linear.ONEDNN_MIN_ROWS) and not layer.takes(linear.ONEDNN_MIN_ROWS - 1)
     x = torch.randn(3, 21, 4)  # 63 rows
-    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    torch.testing.assert_close(product(layer, x), F.linear(x, w, b))
     assert layer._packed is None
 
 
@@ -86,4 +92,4 @@ def test_a_torch_build_without_the_ops_multiplies_with_torch(monkeypatch: pytest
     layer = Linear(torch.randn(8, 4), None)
     assert not layer.takes(linear.ONEDNN_MIN_ROWS)
     x = torch.randn(5, 4)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    torch.testing.assert_close(product(layer, x), F.linear(x, layer.weight))

@@ -543,7 +543,7 @@ def test_a_cpu_worker_computes_op_by_op_where_asked_or_where_torch_cannot_script
             w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
         try:
             assert w._compute.scripted == (setting and can)
-            said = "paths compute op by op, as this torch cannot script them (RuntimeError: no TorchScript"
+            said = "length groups, compute op by op, as this torch cannot script them (RuntimeError: no TorchScript"
             assert (said in caplog.text) == (setting and not can)  # asked for and not had
         finally:
             w.close()

@@ -55,7 +55,7 @@ class ModelSpec:
     cuda_graphs: bool = False  # replay small unmasked batches as CUDA graphs (compute/graphs.py)
     cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
     cpu_fused_bound: str = "auto"  # what the fused kernel's bound on scores applies to (compute/attention.py)
-    cpu_scripted: bool = True  # the CPU's tiled and explicit paths in one call into torch (compute/scripted.py)
+    cpu_scripted: bool = True  # a CPU batch (or its length groups) in one call into torch (compute/scripted.py)
     cpu_lanes: int = 1  # batches a CPU worker computes at once (compute/worker.py)
     cpu_pair_macs: int = 0  # with one CPU lane: pairing's threshold (batching.py, compute/worker.py)
     # The optional inputs requests may carry (settings: optional_inputs); None: every one. The others

@@ -21,7 +21,6 @@ import logging
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from attnserve_server.settings import CPU_MATMULS
 
@@ -43,7 +42,8 @@ def _onednn_ops() -> tuple[object, object] | None:
 
 
 class Linear:
-    """y = x W^T + b over the last dimension of x, as `F.linear`.
+    """One projection, y = x W^T + b: its weight and bias, and the operand a product of so many rows takes
+    (`operand`); compute/scripted.py's `_linear` makes the product, on oneDNN or on `F.linear`.
 
     On the CPU with `onednn` the weight is packed at the first product (the worker's warm-up, for the
     projections every request uses; the first cross-attention request for W_Q and [W_K; W_V], or W_K and
@@ -55,7 +55,6 @@ class Linear:
             raise ValueError(f"cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {cpu_matmul!r}")
         self.weight = weight
         self.bias = bias
-        self.out_features = weight.shape[0]
         self._ops = _onednn_ops() if cpu_matmul == "onednn" and weight.device.type == "cpu" else None
         self._packed: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -90,11 +89,3 @@ class Linear:
             if packed is not None:
                 return packed, True
         return self.weight, False
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, onednn = self.operand(x.numel() // x.shape[-1] if x.shape[-1] else 0)
-        if not onednn:
-            return F.linear(x, weight, self.bias)
-        # One call into torch, as F.linear's: the op folds x's leading dimensions and unfolds the result's
-        # itself (a copy only where x is not contiguous). Each call gives up the GIL and must take it back.
-        return self._ops[1](x, weight, self.bias, "none", [], "")  # type: ignore[index, operator]

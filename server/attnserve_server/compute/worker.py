@@ -190,8 +190,8 @@ class DeviceWorker:
             )
         if device.type == "cpu" and spec.cpu_scripted and not self._compute.scripted:
             log.warning(
-                "model %r on the CPU: the tiled and explicit paths compute op by op, as this torch cannot script "
-                "them (%s)",
+                "model %r on the CPU: the tiled and explicit paths, and a batch's length groups, compute op by op, "
+                "as this torch cannot script them (%s)",
                 spec.name,
                 scripted_path.UNSCRIPTED,
             )
