@@ -258,7 +258,7 @@ def test_cross_attention_with_one_key_value_sequence_and_an_unbatched_query(pari
     close(got.output, y[0])
 
 
-@pytest.mark.parametrize("need_weights", [True, False])  # without: one call into torch (compute/scripted.py)
+@pytest.mark.parametrize("need_weights", [True, False])  # either way one call into torch (compute/scripted.py)
 def test_bare_operation_matches_scaled_dot_product_attention(default_server: Running, need_weights: bool) -> None:
     q, k, v = rand(2, 5, 32), rand(2, 8, 32), rand(2, 8, 16)
     with Client(default_server.target) as c:
