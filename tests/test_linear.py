@@ -57,8 +57,34 @@ def test_aten_and_cuda_weights_multiply_with_torch_and_pack_nothing() -> None:
     assert not layer.takes(linear.ONEDNN_MIN_ROWS)
     torch.testing.assert_close(product(layer, x), F.linear(x, w, b))
     assert layer._packed is None
-    with pytest.raises(ValueError, match="cpu_matmul: expected one of onednn, aten, got 'mkl'"):
+    with pytest.raises(ValueError, match="cpu_matmul: expected one of auto, onednn, aten, got 'mkl'"):
         Linear(w, b, "mkl")
+
+
+@pytest.mark.parametrize(
+    ("family", "capability", "products"),
+    [
+        (("AuthenticAMD", 25), "AVX2", "aten"),  # the Zen 3
+        (("AuthenticAMD", 25), "AVX512", "onednn"),  # the Zen 4
+        (("AuthenticAMD", 23), "AVX2", "onednn"),  # the Zen 2
+        (("GenuineIntel", 6), "AVX2", "onednn"),
+        (("GenuineIntel", 6), "AVX512", "onednn"),
+        (None, "DEFAULT", "onednn"),
+    ],
+)
+def test_auto_multiplies_as_measured_on_each_cpu(
+    monkeypatch: pytest.MonkeyPatch, family: tuple[str, int] | None, capability: str, products: str
+) -> None:
+    """`cpu_matmul: auto` is torch's F.linear where it was measured faster (AMD family 25 without AVX-512, the
+    Zen 3) and oneDNN elsewhere; a choice made explicitly stands on any CPU."""
+    monkeypatch.setattr(linear, "cpu_family", lambda: family)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert linear.resolve_cpu_matmul("auto") == products
+    assert [linear.resolve_cpu_matmul(c) for c in ("onednn", "aten")] == ["onednn", "aten"]
+    w, b = torch.randn(8, 4), torch.randn(8)
+    assert Linear(w, b, "auto").takes(linear.ONEDNN_MIN_ROWS) == (products == "onednn" and onednn_here())
+    assert not Linear(w, b, "aten").takes(linear.ONEDNN_MIN_ROWS)
+    assert Linear(w, b, "onednn").takes(linear.ONEDNN_MIN_ROWS) == onednn_here()
 
 
 def test_a_dtype_onednn_cannot_multiply_here_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,7 +71,7 @@ def test_weights_flag_implies_torch_format() -> None:
     [
         ({"ATTNSERVE_NUM_HEADS": "3"}, "embed_dim: 256 is not divisible by num_heads 3"),
         ({"ATTNSERVE_DTYPE": "float64"}, "dtype: expected one of"),
-        ({"ATTNSERVE_CPU_MATMUL": "mkl"}, "cpu_matmul: expected one of onednn, aten, got 'mkl'"),
+        ({"ATTNSERVE_CPU_MATMUL": "mkl"}, "cpu_matmul: expected one of auto, onednn, aten, got 'mkl'"),
         ({"ATTNSERVE_CPU_FUSED_BOUND": "head"}, "cpu_fused_bound: expected one of auto, batch, sequence, got 'head'"),
         ({"ATTNSERVE_DEVICE": "tpu"}, "device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
         ({"ATTNSERVE_PORT": "many"}, "ATTNSERVE_PORT: expected an integer, got 'many'"),

@@ -795,6 +795,25 @@ def test_auto_bounds_the_fused_kernel_as_measured_on_each_cpu(
             w.close()
 
 
+@pytest.mark.parametrize("setting", ["auto", "onednn", "aten"])
+def test_a_models_cpu_matmul_reaches_its_workers_products_which_say_what_auto_came_to(
+    setting: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = spec_from_settings(ModelSettings(embed_dim=32, num_heads=4, device=("cpu",), cpu_matmul=setting))
+    products = linear.resolve_cpu_matmul(setting)
+    with caplog.at_level(logging.INFO, logger="attnserve_server.compute.worker"):
+        w = DeviceWorker(spec, random_projections(spec, 0), torch.device("cpu"))
+    try:
+        assert w._compute.cpu_matmul == products
+        packed = w._compute._in
+        assert packed is not None
+        assert packed.takes(linear.ONEDNN_MIN_ROWS) == (products == "onednn" and linear._onednn_ops() is not None)
+        on = "oneDNN, weights packed once" if products == "onednn" else "torch's F.linear"
+        assert f"the projections multiply on {on} (cpu_matmul: {setting})" in caplog.text
+    finally:
+        w.close()
+
+
 def test_the_cpu_family_and_flags_are_the_first_processors_in_cpuinfo(tmp_path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
@@ -814,7 +833,7 @@ def test_the_fused_kernel_and_the_tiled_path_agree_with_onednn_and_torch_product
     """Whichever products the tiled path multiplies with, it takes over at the same length."""
     spec = spec_from_settings(ModelSettings(embed_dim=256, num_heads=8, device=("cpu",)))  # W1
     params = random_projections(spec, 0)
-    onednn = AttentionCompute(spec, params, fused_bound=bound)  # the default products
+    onednn = AttentionCompute(spec, params, cpu_matmul="onednn", fused_bound=bound)
     aten = AttentionCompute(spec, params, cpu_matmul="aten", fused_bound=bound)
     with torch.inference_mode():
         for n, length in ((1, 64), (7, 64), (16, 64), (1, 128), (8, 128), (1, 256), (4, 256)):

@@ -53,7 +53,7 @@ class ModelSpec:
     max_batch_memory_bytes: int = 2 << 30  # a batch's estimated compute memory (see compute_bytes)
     max_answer_bytes: int = 256 << 20  # the largest response message the server may send
     cuda_graphs: bool = False  # replay small unmasked batches as CUDA graphs (compute/graphs.py)
-    cpu_matmul: str = "onednn"  # how the CPU multiplies the projections: onednn or aten (compute/linear.py)
+    cpu_matmul: str = "auto"  # how the CPU multiplies the projections: auto, onednn or aten (compute/linear.py)
     cpu_fused_bound: str = "auto"  # what the fused kernel's bound on scores applies to (compute/attention.py)
     cpu_scripted: bool = True  # a CPU batch (or its length groups) in one call into torch (compute/scripted.py)
     cpu_lanes: int = 1  # batches a CPU worker computes at once (compute/worker.py)

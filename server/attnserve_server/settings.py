@@ -28,7 +28,7 @@ ENV_PREFIX = "ATTNSERVE_"
 DTYPES = ("auto", *FLOATS)
 KINDS = tuple(kind.value for kind in ModelKind)
 WEIGHT_FORMATS = ("random", "torch", "bert")
-CPU_MATMULS = ("onednn", "aten")  # compute/linear.py
+CPU_MATMULS = ("auto", "onednn", "aten")  # compute/linear.py
 CPU_FUSED_BOUNDS = ("auto", "batch", "sequence")  # compute/attention.py
 # Lingering's defaults (batching.py says what it is; BENCHMARKS.md, twenty-third and forty-fifth passes,
 # how they were chosen).
@@ -108,9 +108,10 @@ class ModelSettings:
     max_key_len: int = 4096
     # CUDA graphs for small unmasked self-attention batches (compute/graphs.py); ignored on the CPU.
     cuda_graphs: bool = False
-    # How the CPU multiplies the projections: onednn (weights packed once) or aten (torch's F.linear):
+    # How the CPU multiplies the projections: onednn (weights packed once), aten (torch's F.linear), or auto
+    # (aten on AMD's family 25 where torch computes with AVX2 and not AVX-512, the Zen 3; onednn elsewhere):
     # compute/linear.py. Ignored on CUDA.
-    cpu_matmul: str = "onednn"
+    cpu_matmul: str = "auto"
     # What the fused kernel's 1 MiB bound on scores applies to in an unmasked CPU self-attention batch:
     # batch (the whole batch's; larger batches take the tiled path), sequence (each sequence's alone, at
     # any batch size), or auto (batch on AMD's family 23, the Zen 2; sequence on other CPUs where torch computes
@@ -406,7 +407,8 @@ OPTIONS: tuple[Option, ...] = (
         "cpu-matmul",
         "model",
         str,
-        "how the CPU multiplies the projections: onednn (weights packed once) or aten (torch's own) (default onednn)",
+        "how the CPU multiplies the projections: onednn (weights packed once), aten (torch's own), or auto "
+        "(aten on an AMD family 25 CPU without AVX-512, the Zen 3; onednn elsewhere) (default auto)",
     ),
     Option(
         "cpu-fused-bound",

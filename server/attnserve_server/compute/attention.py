@@ -24,7 +24,7 @@ import torch
 
 from attnserve_server.compute import scripted as scripted_path
 from attnserve_server.compute.devices import cpu_family
-from attnserve_server.compute.linear import Linear
+from attnserve_server.compute.linear import Linear, resolve_cpu_matmul
 from attnserve_server.compute.weights import Projections
 from attnserve_server.domain import ModelKind, ModelSpec, compute_macs
 from attnserve_server.settings import CPU_FUSED_BOUNDS
@@ -107,15 +107,16 @@ class AttentionCompute:
         params: Projections | None,
         fused: bool = True,
         tiled: bool = True,
-        cpu_matmul: str = "onednn",
+        cpu_matmul: str = "auto",
         fused_bound: str = "auto",
         scripted: bool = True,
     ) -> None:
         """`fused`: self attention may take torch's fused kernel; `tiled`: on the CPU, only while that
         pays (FUSED_CPU_MAX_SCORE_BYTES, applied as `fused_bound` says), the tiled path otherwise. Tests turn
-        either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py). `scripted`: the
-        CPU's tiled path, and its explicit path without weights, compute a batch in one call into torch where
-        this torch can script them (compute/scripted.py), else op by op."""
+        either off. `cpu_matmul`: how the CPU multiplies the projections (compute/linear.py; `auto` as measured
+        on each CPU). `scripted`: on the CPU a batch of several sequences off the fused kernel, and a batch's
+        length groups, compute in one call into torch where this torch can script the paths
+        (compute/scripted.py), else op by op."""
         if (spec.kind is ModelKind.MHA) != (params is not None):
             raise ValueError("MHA models need projections; the bare operation has none")
         self.spec = spec
@@ -127,6 +128,7 @@ class AttentionCompute:
         self.fused = self.fused and spec.num_heads % 2 == 0
         self.tiled = tiled  # consulted only where the fused kernel may run (packed projections)
         self.scripted = scripted and scripted_path.SCRIPTED is not None
+        self.cpu_matmul = resolve_cpu_matmul(cpu_matmul)  # "onednn" or "aten"
         if fused_bound not in CPU_FUSED_BOUNDS:
             raise ValueError(f"fused_bound: expected one of {', '.join(CPU_FUSED_BOUNDS)}, got {fused_bound!r}")
         self.fused_bound, self.sequence_max_macs = resolve_fused_bound(fused_bound)
@@ -143,13 +145,13 @@ class AttentionCompute:
             p = params
             if p.packed is not None:
                 e = spec.embed_dim
-                self._in = Linear(p.packed, p.packed_bias, cpu_matmul)
+                self._in = Linear(p.packed, p.packed_bias, self.cpu_matmul)
                 # [W_K; W_V]: one X' (key_value) projects to both keys and values in one product
-                self._kv = Linear(p.packed[e:], None if p.packed_bias is None else p.packed_bias[e:], cpu_matmul)
-            self._q = Linear(p.q_weight, p.q_bias, cpu_matmul)
-            self._k = Linear(p.k_weight, p.k_bias, cpu_matmul)
-            self._v = Linear(p.v_weight, p.v_bias, cpu_matmul)
-            self._out = Linear(p.out_weight, p.out_bias, cpu_matmul)
+                self._kv = Linear(p.packed[e:], None if p.packed_bias is None else p.packed_bias[e:], self.cpu_matmul)
+            self._q = Linear(p.q_weight, p.q_bias, self.cpu_matmul)
+            self._k = Linear(p.k_weight, p.k_bias, self.cpu_matmul)
+            self._v = Linear(p.v_weight, p.v_bias, self.cpu_matmul)
+            self._out = Linear(p.out_weight, p.out_bias, self.cpu_matmul)
 
     def _fused_mask(
         self, key_padding: torch.Tensor | None, causal: bool, query: torch.Tensor

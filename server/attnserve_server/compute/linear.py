@@ -13,6 +13,14 @@ slower; from L=32 a tie).
 
 `cpu_matmul: aten` keeps torch's `F.linear` (an operator's escape hatch, and the reference the
 tests compare against). CUDA always multiplies through torch (cuBLAS).
+
+Which is faster depends on the CPU, though. On an AVX2-only AMD EPYC Zen 3 (family 25) MKL picks kernels of its
+own for it, and oneDNN's products cost 9-19% more a sequence than `F.linear`'s on one thread (W1's and WL's
+projections at batches 1-32; a tie on two); under perf_analyzer at concurrency 32 `F.linear` served causal W1
+1.09x, WL 1.14x and cross attention 1.06x what oneDNN served, in pairs (BENCHMARKS.md, sixty-ninth pass). On
+the AVX2-only Zen 2 (family 23) oneDNN computed WL 6-15% cheaper and W1 by batch either way (fifty-third pass),
+and the tiled path under load tied (1.02x, fifty-fifth). So `cpu_matmul: auto` (the default) is `aten` on AMD's
+family 25 where torch's kernels compute with AVX2 and not AVX-512 (the Zen 3), and `onednn` elsewhere.
 """
 
 from __future__ import annotations
@@ -22,12 +30,25 @@ import threading
 
 import torch
 
+from attnserve_server.compute.devices import cpu_family
 from attnserve_server.settings import CPU_MATMULS
 
 log = logging.getLogger(__name__)
 
 # Fewer rows (sequences x tokens) than this multiply on torch's F.linear (the module docstring says why).
 ONEDNN_MIN_ROWS = 64
+
+
+def resolve_cpu_matmul(choice: str) -> str:
+    """The products a model's `cpu_matmul` setting comes to on this CPU: "onednn" or "aten" (for "auto", the
+    module docstring says which where)."""
+    if choice not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if cpu_family() == ("AuthenticAMD", 25) and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "aten"
+    return "onednn"
 
 
 def _onednn_ops() -> tuple[object, object] | None:
@@ -51,11 +72,10 @@ class Linear:
     it computes with, no others."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cpu_matmul: str = "onednn") -> None:
-        if cpu_matmul not in CPU_MATMULS:
-            raise ValueError(f"cpu_matmul: expected one of {', '.join(CPU_MATMULS)}, got {cpu_matmul!r}")
         self.weight = weight
         self.bias = bias
-        self._ops = _onednn_ops() if cpu_matmul == "onednn" and weight.device.type == "cpu" else None
+        onednn = resolve_cpu_matmul(cpu_matmul) == "onednn"
+        self._ops = _onednn_ops() if onednn and weight.device.type == "cpu" else None
         self._packed: torch.Tensor | None = None
         self._lock = threading.Lock()
 

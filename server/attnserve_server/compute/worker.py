@@ -188,6 +188,13 @@ class DeviceWorker:
                 "" if max_macs is None else f", to each batch from {max_macs / 1e6:g} M multiply-adds a sequence",
                 spec.cpu_fused_bound,
             )
+        if device.type == "cpu" and params is not None:
+            log.info(
+                "model %r on the CPU: the projections multiply on %s (cpu_matmul: %s)",
+                spec.name,
+                "oneDNN, weights packed once" if self._compute.cpu_matmul == "onednn" else "torch's F.linear",
+                spec.cpu_matmul,
+            )
         if device.type == "cpu" and spec.cpu_scripted and not self._compute.scripted:
             log.warning(
                 "model %r on the CPU: the tiled and explicit paths, and a batch's length groups, compute op by op, "
