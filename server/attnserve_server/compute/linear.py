@@ -15,12 +15,14 @@ slower; from L=32 a tie).
 tests compare against). CUDA always multiplies through torch (cuBLAS).
 
 Which is faster depends on the CPU, though. On an AVX2-only AMD EPYC Zen 3 (family 25) MKL picks kernels of its
-own for it, and oneDNN's products cost 9-19% more a sequence than `F.linear`'s on one thread (W1's and WL's
-projections at batches 1-32; a tie on two); under perf_analyzer at concurrency 32 `F.linear` served causal W1
-1.09x, WL 1.14x and cross attention 1.06x what oneDNN served, in pairs (BENCHMARKS.md, sixty-ninth pass). On
-the AVX2-only Zen 2 (family 23) oneDNN computed WL 6-15% cheaper and W1 by batch either way (fifty-third pass),
-and the tiled path under load tied (1.02x, fifty-fifth). So `cpu_matmul: auto` (the default) is `aten` on AMD's
-family 25 where torch's kernels compute with AVX2 and not AVX-512 (the Zen 3), and `onednn` elsewhere.
+own, and oneDNN's products mostly cost 9-19% more than `F.linear`'s on one thread (W1's and WL's projections at
+batches 1-32; a tie on two). Under perf_analyzer, in pairs of fresh servers (BENCHMARKS.md, sixty-ninth pass),
+`F.linear` served WL at concurrency 32 1.15x what oneDNN served (5 runs, 16 of 16 pairs), cross attention with a
+key_value of 32 tokens 1.06x (the median of 5 runs, 0.94-1.09), causal W1 1.01x (10 runs) and WL at concurrency
+1 0.97x (2 runs, p50 the same). On the AVX2-only Zen 2 (family 23) oneDNN computed WL 6-15% cheaper and W1 by
+batch either way (fifty-third pass), and the tiled path under load tied (1.02x, fifty-fifth). So
+`cpu_matmul: auto` (the default) is `aten` on AMD's family 25 where torch's kernels compute with AVX2 and not
+AVX-512 (the Zen 3), and `onednn` elsewhere.
 """
 
 from __future__ import annotations
