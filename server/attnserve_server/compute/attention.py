@@ -10,8 +10,8 @@ batch's scores; on the CPU one call into torch, compute/scripted.py, elsewhere f
 bare operation and odd head counts take the explicit path below, as torch's module does (but on the CPU the
 fused op takes one X', key_value, as long as the query: `_fused_takes`); there one X' projects to keys and
 values in one product, and on the CPU a batch computes in one call into torch as well, with its weights or
-without. On the CPU the tiled and explicit paths' projections multiply on oneDNN (compute/linear.py); the
-fused kernel multiplies with torch's own products inside.
+without. On the CPU the tiled and explicit paths' projections multiply on oneDNN or MKL, whichever was
+measured faster on the CPU (compute/linear.py); the fused kernel multiplies with torch's own products inside.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The projections' matrix products: oneDNN with weights packed once on the CPU, torch's own elsewhere.
+"""The projections' matrix products: on the CPU oneDNN with weights packed once, or torch's own where that is
+faster (`cpu_matmul: auto`); torch's own elsewhere.
 
 torch's `F.linear` multiplies float32 on the CPU with MKL's sgemm, whatever the CPU. oneDNN (which
 torch ships, and calls for its own bfloat16 products) picks kernels by the CPU's instruction sets, and
