@@ -10,8 +10,9 @@
 #   env: C (concurrency, 1), N (pairs, 6), L / E / H (query length, width, heads: 64 / 256 / 8),
 #        PA_MS (window, ms: 2000; perf_analyzer reports the mean of three), PA_FLAGS (more perf_analyzer
 #        flags, e.g. --async),
-#        PEER_A (inline, batcher or echo: arm A is that peer server of ../shared/peers instead, the same
-#        shape on 2 intra-op threads, after ../shared/peers/setup.sh; A and ARGS_A then do not apply)
+#        PEER_A (inline, batcher, echo or pytriton: arm A is that peer server of ../shared/peers instead,
+#        the same shape on 2 intra-op threads, after ../shared/peers/setup.sh; pytriton is Triton 2.51's
+#        dynamic batcher, max 64 and 500 us as compare.sh runs it; A and ARGS_A then do not apply)
 #        PRE_C (a concurrency: each arm first runs a window at it, not counted, right before its measured
 #        one: what a server carries from one load into the next, as compare.sh's c=1 before its c=8),
 #        INPUT_DATA (a perf_analyzer --input-data file instead of one [L, E] query: cross attention's
@@ -29,7 +30,19 @@ PORT_A=$(free_port)
 PORT_B=$(free_port)
 if [ -n "${PEER_A:-}" ]; then
   PEERS=$(cd ../shared/peers && pwd)
-  PEERS_PY=${PEERS_HOME:-$HOME/.cache/attnserve-peers}/base/bin/python
+  PEERS_HOME=${PEERS_HOME:-$HOME/.cache/attnserve-peers}
+  PEERS_PY=$PEERS_HOME/base/bin/python
+fi
+if [ "${PEER_A:-}" = pytriton ]; then
+  TRITON_PY=$PEERS_HOME/pytriton/bin/python
+  HTTP_A=$(free_port) METRICS_A=$(free_port) # Triton's other two ports, unused
+  # its own session (setsid), so that the tritonserver it starts stops with it (stop_peer)
+  (cd "$PEERS" && PEERS_E=$E PEERS_H=$H PEERS_L=$L MHA_TORCH_THREADS=2 \
+    LD_LIBRARY_PATH=$("$TRITON_PY" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))') \
+    exec setsid "$TRITON_PY" pytriton_server.py --grpc-port "$PORT_A" --http-port "$HTTP_A" \
+    --metrics-port "$METRICS_A" --delay-us 500) >"$OUT/a.log" 2>&1 &
+  SA=$!
+elif [ -n "${PEER_A:-}" ]; then
   (cd "$PEERS" && PEERS_E=$E PEERS_H=$H PEERS_L=$L MHA_TORCH_THREADS=2 \
     exec "$PEERS_PY" baseline_server.py --mode "$(echo "$PEER_A" | sed 's/^inline$/naive/; s/^batcher$/dynamic/')" \
     --port "$PORT_A") >"$OUT/a.log" 2>&1 &
@@ -44,7 +57,14 @@ fi
 env ${B:-} .venv/bin/attnserve serve --host 127.0.0.1 --port "$PORT_B" --metrics-port -1 --embed-dim "$E" \
   --num-heads "$H" ${ARGS_B:-} >"$OUT/b.log" 2>&1 &
 SB=$!
-trap 'kill $SA $SB 2>/dev/null; wait $SA $SB 2>/dev/null; rm -rf "$OUT"' EXIT
+# A PyTriton peer leads its own session: every process in it goes (tritonserver among them).
+stop_peer() {
+  if [ "${PEER_A:-}" = pytriton ]; then
+    for p in $(ps -o pid= -s "$SA" 2>/dev/null); do kill "$p" 2>/dev/null || true; done
+  fi
+}
+# Each step may fail (a server already gone): under set -e a failure would end the trap there.
+trap 'stop_peer; kill $SA $SB 2>/dev/null || true; wait $SA $SB 2>/dev/null || true; rm -rf "$OUT"' EXIT
 if [ -n "${PEER_A:-}" ]; then
   PEERS_E=$E PEERS_L=$L PROBE_MODEL=mha "$PEERS_PY" "$PEERS/probe.py" "127.0.0.1:$PORT_A" 240 >/dev/null || { cat "$OUT/a.log"; exit 1; }
 else
