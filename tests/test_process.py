@@ -420,7 +420,13 @@ def test_user_mistakes_get_one_line_not_a_traceback(default_server: Running, tmp
         f"({missing.parent} is not)"
     )
     # bench's own numbers, and a model the server it starts refuses (before: tracebacks, or no request measured).
-    for flag, value in (("--processes", "-1"), ("--warmup-s", "nan"), ("--inprocess-s", "-1"), ("--pa-modes", "x")):
+    for flag, value in (
+        ("--processes", "-1"),
+        ("--warmup-s", "nan"),
+        ("--inprocess-s", "-1"),
+        ("--pa-modes", "x"),
+        ("--perf-analyzer", str(tmp_path / "perf_analyzer")),  # before: a traceback once the servers had run
+    ):
         r = run_cli("bench", "--target", default_server.target, flag, value)
         assert r.returncode == 2 and "Traceback" not in r.stderr and f"argument {flag}: expected " in r.stderr
     r = run_cli("bench", "--embed-dim", "30", "--duration-s", "0.5", "--no-inprocess")

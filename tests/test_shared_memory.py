@@ -343,7 +343,7 @@ def test_bench_sends_through_shared_memory(server: Running, tmp_path) -> None:
     assert set(os.listdir("/dev/shm")) <= before
     measured("half", "--concurrency", "2", "--processes", "1", "--seq-len", "8")  # bfloat16: sent as BF16
     # perf_analyzer takes shared memory only for a model without optional inputs: cross attention has one.
-    bad = bench("--perf-analyzer", "perf_analyzer", "--kv-len", "4")
+    bad = bench("--perf-analyzer", "true", "--kv-len", "4")  # any binary: refused before it runs
     assert bad.returncode == 2
     assert "cross attention's key_value is one; drop --kv-len" in bad.stderr
 

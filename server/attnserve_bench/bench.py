@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -52,6 +53,18 @@ def _pa_modes(text: str) -> tuple[str, ...]:
     if not all(mode in ("sync", "async", "streaming") for mode in modes):
         raise argparse.ArgumentTypeError(f"expected sync, async, streaming or a comma list of them, got {text!r}")
     return modes
+
+
+def _executable(text: str) -> str:
+    """--perf-analyzer: a binary that exists and may be run (a path, or a name on PATH), checked before
+    anything starts; before, a wrong path was a traceback after the servers had started."""
+    found = shutil.which(text)
+    if found is None:
+        why = "not executable" if os.path.isfile(text) else "no such file, nor a command on PATH"
+        raise argparse.ArgumentTypeError(
+            f"expected perf_analyzer's binary (scripts/perf_analyzer.sh --setup prints its path), got {text!r} ({why})"
+        )
+    return os.path.abspath(found)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -126,6 +139,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--perf-analyzer",
         metavar="PATH",
+        type=_executable,
         help="drive the load with Triton's perf_analyzer (this binary) over the KServe v2 API instead of the "
         "built-in client; it reports the server-side statistics too (scripts/perf_analyzer.sh sets it up)",
     )
