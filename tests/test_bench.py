@@ -211,6 +211,6 @@ def test_the_in_process_pairing_ends_both_runners_on_the_same_cycle() -> None:
             measured.start()
             measured.join(10)
             assert not measured.is_alive(), "the first runner waits at the barrier for a second that has left"
-            assert calls["shared"] == calls["alone"] >= 3 * 7  # every cycle's halves, on both runners
+            assert calls["shared"] == calls["alone"] >= 3 * 7  # every cycle, on both runners
     finally:
         Worker.executor.shutdown(wait=False)

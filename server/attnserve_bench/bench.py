@@ -125,7 +125,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=seconds,
         default=3.0,
         help="seconds per in-process measurement; a CPU worker that pairs is timed both ways, whole batches "
-        "and their halves side by side, and the faster is the limit (default 3)",
+        "and two batches side by side, and the faster is the limit (default 3)",
     )
     p.add_argument(
         "--rounds",
@@ -678,8 +678,10 @@ def inprocess_throughput(
     info: Any, inputs: list[dict[str, Any]], batch_requests: int, seconds: float = 3.0, torch_threads: int | None = None
 ) -> float:
     """Requests/s of the model computed directly on a device worker, batch_requests at a time (taking
-    the inputs in turn when there are several). On a CPU worker that pairs (batching.py), the faster of
-    whole batches on every thread and each batch's two halves side by side, as the server may run them."""
+    the inputs in turn when there are several). On a CPU worker that pairs (batching.py), where two such
+    batches together hold the work at which the server splits a batch, the faster of whole batches on
+    every thread and two batches side by side, each on one runner's share of the threads, as the server
+    then runs them: its batch sizes count each of the two (each is one execution)."""
     import torch
 
     from attnserve_server.compute.staging import host_tensor
@@ -744,12 +746,12 @@ def inprocess_throughput(
                 worker.run(batch)
             times.append(time.perf_counter() - t0)
         whole = batch_requests * len(cycle) / float(np.median(times))
-        if not (worker.pairs and batch_requests >= 2):
+        if not (worker.pairs and _two_split(spec, cycle)):
             return whole
-        paired = batch_requests * len(cycle) / _paired_cycle_s(worker, cycle, seconds)
+        paired = 2 * batch_requests * len(cycle) / _paired_cycle_s(worker, cycle, seconds)
         print(
             f"  in-process: {whole:.1f} req/s in whole batches of {batch_requests},"
-            f" {paired:.1f} in their halves side by side",
+            f" {paired:.1f} two at a time side by side",
             file=sys.stderr,
         )
         return max(whole, paired)
@@ -761,11 +763,20 @@ def inprocess_throughput(
         worker.close()
 
 
+def _two_split(spec: Any, cycle: list[list[Any]]) -> bool:
+    """Whether two of the cycle's batches together hold, on average, the work (multiply-adds) from which a
+    pairing CPU server splits a batch in two (batching.py: twice the model's cpu_pair_macs)."""
+    from attnserve_server.domain import compute_macs
+
+    work = sum(compute_macs(spec, r.sequences, r.query_len, r.key_len) for batch in cycle for r in batch)
+    return 0 < spec.cpu_pair_macs * len(cycle) <= work
+
+
 def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> float:
-    """The median time of one cycle computed as a CPU server with pairing computes a large batch: its two
-    halves side by side, each on one runner's share of the threads (batching.py). Called on the first
-    runner's thread; the second runner computes the other halves, and the two meet after every cycle."""
-    halves = ([b[: len(b) // 2] for b in cycle], [b[len(b) // 2 :] for b in cycle])
+    """The median time of two cycles computed side by side, as a CPU server with pairing computes under
+    load: the two runners each take a batch and compute it on their share of the threads (batching.py).
+    Called on the first runner's thread; the second runner computes the other cycle, and the two meet after
+    every cycle."""
     both = threading.Barrier(2, timeout=120)
     # The cycle after which both stop, set by the first runner before its last wait. The second reads it
     # against its own count: by the time it does, the first may already be in the next cycle.
@@ -776,7 +787,7 @@ def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> floa
             both.wait()
             cycle_no = 0
             while True:
-                for batch in halves[1]:
+                for batch in cycle:
                     worker.run(batch)
                 both.wait()
                 if last_cycle[0] == cycle_no:
@@ -793,12 +804,12 @@ def _paired_cycle_s(worker: Any, cycle: list[list[Any]], seconds: float) -> floa
         both.wait()
         last = start = time.perf_counter()
         while True:
-            for batch in halves[0]:
+            for batch in cycle:
                 worker.run_shared(batch)
             done = len(times) >= warm + 5 and time.perf_counter() - start >= seconds
             if done:
                 last_cycle[0] = len(times)  # this cycle's number: one time is appended a cycle
-            both.wait()  # the other halves are done too
+            both.wait()  # the other cycle is done too
             now = time.perf_counter()
             times.append(now - last)
             last = now
