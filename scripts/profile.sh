@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Where the server's CPU goes under load: py-spy (native frames, every thread) while Triton's
-# perf_analyzer drives W1 over KServe v2, then a table per thread (scripts/profile_summary.py).
+# perf_analyzer drives W1 over KServe v2, then a table per thread (scripts/profile_summary.py), and
+# the server's own batches over the window (scripts/batch_stats.py: a batch's compute a sequence under
+# load, to set beside the in-process figure).
 #
 #   scripts/profile.sh [OUTDIR]     env: CONC (32), SECONDS_PA (30; more than SECONDS_SPY + 4), SECONDS_SPY (12), MODE (sync|async),
 #                                        E (256), H (8), L (64), DTYPE (float32: the model's, as in SERVE_ARGS),
@@ -77,7 +79,10 @@ thread_sched() {
 }
 # the load generator's own CPU (utime + stime ticks, every thread): what a request costs the client
 load_ticks() { awk '{print $14 + $15}' "/proc/$LOAD/stat" 2>/dev/null || echo 0; }
+# the server's own batch statistics (KServe v2), read just outside the window: what a batch's compute costs under load
+batch_stats() { "$VENV/bin/python" scripts/batch_stats.py snapshot "127.0.0.1:$PORT" "$MODEL" >"$1" 2>>"$OUT/batch_stats.log" || echo '{}' >"$1"; }
 sleep 4 # perf_analyzer's warm-up
+batch_stats "$OUT/batch-stats-0.json"
 t0=$(date +%s.%N) c0=$(cpu_ticks) l0=$(load_ticks)
 thread_sched >"$OUT/threads-0.txt"
 if [ "${SPY:-1}" = 1 ]; then
@@ -97,6 +102,7 @@ if ! kill -0 "$LOAD" 2>/dev/null; then
   exit 1
 fi
 thread_sched >"$OUT/threads-1.txt"
+batch_stats "$OUT/batch-stats-1.json"
 wait $LOAD || true
 rate=$(awk '/Throughput:/ {print int($(NF-1))}' "$OUT/perf_analyzer.log" | tail -n 1)
 [ -n "$rate" ] || { cat "$OUT/perf_analyzer.log"; exit 1; }
@@ -111,6 +117,9 @@ python3 -c "import sys; l, r, t, hz = map(float, sys.argv[1:]); print(f'perf_ana
 join "$OUT/threads-0.txt" "$OUT/threads-1.txt" | awk -v r="$rate" -v t="$(python3 -c "print($t1 - $t0)")" \
   'BEGIN {print "| thread | us on a CPU per request | us waiting for one | timeslices per request |"; print "| --- | ---: | ---: | ---: |"}
    $7 > $3 || $8 > $4 {n = r * t; printf "| %s (%s) | %.0f | %.0f | %.2f |\n", $2, $1, ($7 - $3) / 1e3 / n, ($8 - $4) / 1e3 / n, ($9 - $5) / n}' \
+  | tee -a "$OUT/summary.md"
+echo "The server's batches in the window (its KServe statistics; wall clock of a batch over its sequences):" | tee -a "$OUT/summary.md"
+"$VENV/bin/python" scripts/batch_stats.py diff "$OUT/batch-stats-0.json" "$OUT/batch-stats-1.json" --min-batches 20 \
   | tee -a "$OUT/summary.md"
 [ "${SPY:-1}" = 1 ] && "$VENV/bin/python" scripts/profile_summary.py "$OUT/profile.txt" --requests "$requests" | tee -a "$OUT/summary.md"
 grep -E "Throughput|p50 latency|p99 latency" "$OUT/perf_analyzer.log" | tee -a "$OUT/summary.md" || true
