@@ -27,21 +27,15 @@ PHASES = ("compute_input", "compute_infer", "compute_output")
 def snapshot(target: str, model: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """{"executions": {batch size: {phase: [count, ns]}}} since the server started; {} without the RPC."""
     import grpc
+    from attnserve_bench.perf_analyzer import model_statistics
 
-    from attnserve_server.protocol import open_inference_pb2 as v2
-    from attnserve_server.protocol import open_inference_pb2_grpc as v2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = v2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
-                v2.ModelStatisticsRequest(name=model), timeout=timeout_s
-            )
-        except grpc.RpcError as exc:
-            print(f"batch_stats: no statistics from {target}: {exc.code().name}", file=sys.stderr)
-            return {}
-    if not reply.model_stats:
+    try:
+        stats = model_statistics(target, model, timeout_s)
+    except grpc.RpcError as exc:
+        print(f"batch_stats: no statistics from {target}: {exc.code().name}", file=sys.stderr)
         return {}
-    stats = reply.model_stats[0]
+    except IndexError:  # an answer without the model's
+        return {}
     return {
         "executions": {
             str(b.batch_size): {p: [getattr(b, p).count, getattr(b, p).ns] for p in PHASES} for b in stats.batch_stats

@@ -60,10 +60,11 @@ def _env(binary: str) -> dict[str, str]:
     return env
 
 
-def _statistics(target: str, model: str) -> v2.ModelStatistics:
+def model_statistics(target: str, model: str, timeout_s: float = 30.0) -> v2.ModelStatistics:
+    """A server's KServe v2 statistics of one model since it started (also scripts/batch_stats.py's)."""
     with grpc.insecure_channel(target) as channel:
         stub = v2_grpc.GRPCInferenceServiceStub(channel)
-        return stub.ModelStatistics(v2.ModelStatisticsRequest(name=model), timeout=30).model_stats[0]
+        return stub.ModelStatistics(v2.ModelStatisticsRequest(name=model), timeout=timeout_s).model_stats[0]
 
 
 def output_bytes(inputs: list[dict[str, Any]], output_dim: int, dtype: str) -> int:
@@ -121,14 +122,14 @@ def run_level(
         data_path, csv_path = os.path.join(tmp, "input.json"), os.path.join(tmp, "report.csv")
         with open(data_path, "w") as f:
             json.dump(data, f)
-        before = _statistics(target, model)
+        before = model_statistics(target, model)
         cmd = command(args.perf_analyzer, target, model, data_path, csv_path, concurrency, mode, args, output_bytes)
         print(f"  $ {' '.join(cmd)}", file=sys.stderr)
         done = subprocess.run(cmd, env=_env(args.perf_analyzer), capture_output=True, text=True)
         sys.stderr.write(done.stdout)
         if done.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-        after = _statistics(target, model)
+        after = model_statistics(target, model)
         with open(csv_path) as f:
             row = next(csv.DictReader(f))
     ok = after.inference_stats.success.count - before.inference_stats.success.count
