@@ -61,6 +61,8 @@ def diff(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, float]
 
 
 def table(rows: list[dict[str, float]], min_batches: int = 1) -> str:
+    if not rows:  # `diff` keeps only sizes with executions in the window
+        return "no batch ran in the window"
     lines = [
         "| batch (sequences) | executions | compute µs a sequence | staging µs | results µs |",
         "| ---: | ---: | ---: | ---: | ---: |",
@@ -72,20 +74,17 @@ def table(rows: list[dict[str, float]], min_batches: int = 1) -> str:
             f" {r['compute_output']:.1f} |"
         )
     executions = sum(r["executions"] for r in rows)
-    if executions:
-        sequences = sum(r["executions"] * r["batch"] for r in rows)
+    sequences = sum(r["executions"] * r["batch"] for r in rows)
 
-        def mean(phase: str) -> float:
-            return sum(r[phase] * r["executions"] * r["batch"] for r in rows) / sequences
+    def mean(phase: str) -> float:
+        return sum(r[phase] * r["executions"] * r["batch"] for r in rows) / sequences
 
-        lines.append(
-            f"| all: mean {sequences / executions:.1f} | {executions} | {mean('compute_infer'):.0f} |"
-            f" {mean('compute_input'):.1f} | {mean('compute_output'):.1f} |"
-        )
-        if len(shown) < len(rows):
-            lines.append(f"(batch sizes with fewer than {min_batches} executions are in the total only)")
-    else:
-        lines = ["no batch ran in the window"]
+    lines.append(
+        f"| all: mean {sequences / executions:.1f} | {executions} | {mean('compute_infer'):.0f} |"
+        f" {mean('compute_input'):.1f} | {mean('compute_output'):.1f} |"
+    )
+    if len(shown) < len(rows):
+        lines.append(f"(batch sizes with fewer than {min_batches} executions are in the total only)")
     return "\n".join(lines)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from attnserve import Client
@@ -40,11 +42,21 @@ def test_the_window_holds_only_the_batches_run_between_its_two_snapshots() -> No
 
 
 def test_a_server_without_statistics_gives_an_empty_snapshot_and_diff_says_so(tmp_path, capsys) -> None:
+    # a gRPC server with no KServe v2 service, as the peers' minimal servers: ModelStatistics is UNIMPLEMENTED
+    bare = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = bare.add_insecure_port("127.0.0.1:0")
+    bare.start()
+    try:
+        assert batch_stats.snapshot(f"127.0.0.1:{port}", "m", timeout_s=5) == {}
+    finally:
+        bare.stop(None)
+    err = capsys.readouterr().err
+    assert "no statistics from" in err and "UNIMPLEMENTED" in err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there once closed
-    assert batch_stats.snapshot(f"127.0.0.1:{port}", "m", timeout_s=5) == {}
-    assert "no statistics" in capsys.readouterr().err
+        closed = s.getsockname()[1]  # nothing listens there once closed
+    assert batch_stats.snapshot(f"127.0.0.1:{closed}", "m", timeout_s=5) == {}
+    assert "UNAVAILABLE" in capsys.readouterr().err
     (tmp_path / "a.json").write_text("{}")
     (tmp_path / "b.json").write_text("{}")
     assert batch_stats.main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
